@@ -1,0 +1,140 @@
+package eventmonitor
+
+import (
+	"container/heap"
+	"math/rand/v2"
+	"time"
+)
+
+// dueHeap orders the keys waiting in backoff by due time. Each keyState
+// knows its index, so Forget and Shutdown remove it in O(log n).
+type dueHeap []*keyState
+
+func (h dueHeap) Len() int           { return len(h) }
+func (h dueHeap) Less(i, j int) bool { return h[i].due.Before(h[j].due) }
+func (h dueHeap) Swap(i, j int) {
+	h[i], h[j] = h[j], h[i]
+	h[i].heapIndex, h[j].heapIndex = i, j
+}
+func (h *dueHeap) Push(x any) {
+	k := x.(*keyState)
+	k.heapIndex = len(*h)
+	*h = append(*h, k)
+}
+func (h *dueHeap) Pop() any {
+	old := *h
+	k := old[len(old)-1]
+	old[len(old)-1] = nil
+	*h = old[:len(old)-1]
+	k.heapIndex = -1
+	return k
+}
+
+// nextDelay is the delay after a failed replay: doubled, capped.
+func nextDelay(d, max time.Duration) time.Duration {
+	if d >= max/2 {
+		return max
+	}
+	return 2 * d
+}
+
+// jittered spreads d over ±fraction of itself.
+func jittered(d time.Duration, fraction float64) time.Duration {
+	if fraction == 0 {
+		return d
+	}
+	j := time.Duration(float64(d) * fraction * (2*rand.Float64() - 1))
+	if d+j <= 0 {
+		return 1
+	}
+	return d + j
+}
+
+// wait puts k in the due heap at now + its (jittered) delay. mu is held.
+func (m *Monitor) wait(k *keyState) {
+	k.due = m.cfg.clock.Now().Add(jittered(k.delay, m.cfg.jitter))
+	heap.Push(&m.due, k)
+	m.rearm(k.due)
+}
+
+// startReplay takes k out of the heap: the events it holds now are the
+// replay, handled in order until one fails. mu is held.
+func (m *Monitor) startReplay(k *keyState) {
+	m.removeFromHeap(k)
+	k.replayLeft = k.queue.len()
+	m.stats.Retried++
+	m.recount(k)
+	m.schedule(k)
+}
+
+// rearm makes the scheduler wake by t if it would wake later. mu is held.
+func (m *Monitor) rearm(t time.Time) {
+	if m.armed && !t.Before(m.wakeAt) {
+		return
+	}
+	m.armed, m.wakeAt = true, t
+	select {
+	case m.wake <- struct{}{}:
+	default:
+	}
+}
+
+// clockSlack is how far the clock may move while the scheduler arms its
+// timer before it re-checks: far above the real clock's drift over a few
+// instructions, far below any backoff delay.
+const clockSlack = time.Millisecond
+
+// scheduler owns the monitor's one timer. It wakes at the earliest of the
+// next backoff due time and the oldest running call's deadline, so an idle
+// monitor costs nothing however many keys wait in backoff, and a retry runs
+// as soon as it is due rather than at the next tick of a periodic scan.
+func (m *Monitor) scheduler() {
+	defer close(m.schedulerDone)
+	timer := m.cfg.clock.NewTimer(time.Hour)
+	defer timer.Stop()
+	for {
+		m.mu.Lock()
+		now := m.cfg.clock.Now()
+		for len(m.due) > 0 && !m.due[0].due.After(now) {
+			m.startReplay(m.due[0])
+		}
+		overruns := m.expireCalls(now)
+		m.armed = false
+		if len(m.due) > 0 {
+			m.armed, m.wakeAt = true, m.due[0].due
+		}
+		if c := m.calls.firstLive(); c != nil && (!m.armed || c.deadline.Before(m.wakeAt)) {
+			m.armed, m.wakeAt = true, c.deadline
+		}
+		armed, wakeAt := m.armed, m.wakeAt
+		m.mu.Unlock()
+
+		m.reportOverruns(overruns, now)
+		// Drain before Reset: a FakeClock timer's channel holds one value and
+		// its Step blocks on a second.
+		if !timer.Stop() {
+			select {
+			case <-timer.C():
+			default:
+			}
+		}
+		if armed {
+			timer.Reset(wakeAt.Sub(now))
+			// Reset is relative: if the clock moved since now was read (a
+			// fake clock stepped), the timer is late by that much, so look
+			// again rather than sleep on it.
+			if m.cfg.clock.Since(now) > clockSlack {
+				continue
+			}
+		}
+		select {
+		case <-timer.C():
+		case <-m.wake:
+		case <-m.quit:
+			return
+		}
+	}
+}
+
+// removeFromHeap takes k out of the due heap without replaying it. mu is held.
+func (m *Monitor) removeFromHeap(k *keyState) { heap.Remove(&m.due, k.heapIndex) }

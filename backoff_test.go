@@ -1,0 +1,184 @@
+package eventmonitor
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func TestOrderPerKeyUnderFailures(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r)
+	started, release := r.gate(ev{"a", 1})
+	r.fail(ev{"a", 2}, 1)
+
+	h.submit(t, evs("a", 1, 2, 3, 4, 5)...)
+	<-started
+	release()
+	waitFor(t, func() bool { return h.m.Stats().Failed == 1 }, "a/2 should fail once")
+	h.settled(t)
+
+	// a/2 failed: it and everything behind it wait in backoff, in order.
+	require.True(t, h.m.InBackoff("a"))
+	p := h.pending("a")
+	assert.Equal(t, anys(evs("a", 2, 3, 4, 5)...), p.Events)
+	assert.Equal(t, 1, p.Attempts)
+	assert.Equal(t, epoch.Add(DefaultInitialBackoff), p.Due)
+
+	// New events of a key in backoff join the tail instead of being handled.
+	h.submit(t, ev{"a", 6})
+	assert.Equal(t, anys(evs("a", 2, 3, 4, 5, 6)...), h.pending("a").Events)
+	assert.Equal(t, anys(ev{"a", 1}), r.handledList())
+
+	h.clock.Step(DefaultInitialBackoff)
+	waitFor(t, func() bool { return len(r.handledList()) == 6 }, "replay should handle everything")
+	assert.Equal(t, anys(evs("a", 1, 2, 3, 4, 5, 6)...), r.handledList())
+	waitFor(t, func() bool { return !h.m.InBackoff("a") }, "a should leave backoff")
+	assert.Equal(t, uint64(1), h.m.Stats().Retried)
+}
+
+func TestReplayStopsAtFirstFailureAndKeepsTheRest(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r)
+	r.fail(ev{"a", 1}, 1)
+	r.fail(ev{"a", 3}, 1)
+	started, release := r.gate(ev{"a", 1})
+	h.submit(t, evs("a", 1, 2, 3, 4)...)
+	<-started
+	release()
+	waitFor(t, func() bool { return h.m.Stats().Failed == 1 }, "a/1 fails")
+	h.settled(t)
+	assert.Equal(t, anys(evs("a", 1, 2, 3, 4)...), h.pending("a").Events)
+
+	h.clock.Step(time.Second)
+	waitFor(t, func() bool { return h.m.Stats().Failed == 2 }, "a/3 fails in the replay")
+	h.settled(t)
+	// The replay handled a/1 and a/2, stopped at a/3, kept a/3 and a/4, and
+	// doubled the delay.
+	assert.Equal(t, anys(evs("a", 1, 2)...), r.handledList())
+	p := h.pending("a")
+	assert.Equal(t, anys(evs("a", 3, 4)...), p.Events)
+	assert.Equal(t, h.clock.Now().Add(2*time.Second), p.Due)
+
+	h.clock.Step(2 * time.Second)
+	waitFor(t, func() bool { return len(r.handledList()) == 4 }, "second replay succeeds")
+	assert.Equal(t, anys(evs("a", 1, 2, 3, 4)...), r.handledList())
+}
+
+func TestDelayDoublesAndCaps(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithBackoff(time.Second, 5*time.Second))
+	r.fail(ev{"a", 1}, 100)
+	h.submit(t, ev{"a", 1})
+
+	for i, want := range []time.Duration{1, 2, 4, 5, 5, 5} {
+		waitFor(t, func() bool { return h.m.Stats().Failed == uint64(i+1) }, "failure %d", i+1)
+		h.settled(t)
+		p := h.pending("a")
+		require.Equal(t, want*time.Second, p.Due.Sub(h.clock.Now()), "delay after failure %d", i+1)
+		require.Equal(t, i+1, p.Attempts)
+		h.clock.Step(p.Due.Sub(h.clock.Now()))
+	}
+}
+
+func TestDelayResetsAfterReplaySucceeds(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r)
+	r.fail(ev{"a", 1}, 2) // fails at first, and in the first replay: delay 2 s
+	h.submit(t, ev{"a", 1})
+	waitFor(t, func() bool { return h.m.Stats().Failed == 1 }, "first failure")
+	h.settled(t)
+	h.clock.Step(time.Second)
+	waitFor(t, func() bool { return h.m.Stats().Failed == 2 }, "replay fails")
+	h.settled(t)
+	require.Equal(t, 2*time.Second, h.pending("a").Due.Sub(h.clock.Now()))
+
+	// The next replay runs a/1 while a/2 arrives; a/2 joined during the
+	// replay, so when it fails it starts over at the initial delay.
+	started, release := r.gate(ev{"a", 1})
+	r.fail(ev{"a", 2}, 1)
+	h.clock.Step(2 * time.Second)
+	<-started
+	h.submit(t, ev{"a", 2})
+	release()
+	waitFor(t, func() bool { return h.m.Stats().Failed == 3 }, "a/2 fails")
+	h.settled(t)
+	p := h.pending("a")
+	assert.Equal(t, anys(ev{"a", 2}), p.Events)
+	assert.Equal(t, time.Second, p.Due.Sub(h.clock.Now()), "delay must reset after a successful replay")
+}
+
+func TestJitterStaysInItsBand(t *testing.T) {
+	const keys = 200
+	r := newRecorder()
+	h := newHarness(t, r, WithJitter(0.25), WithWorkers(4))
+	for i := range keys {
+		e := ev{string(rune('A'+i%26)) + string(rune('a'+i/26)), 1}
+		r.fail(e, 1)
+		h.submit(t, e)
+	}
+	waitFor(t, func() bool { return h.m.Stats().Failed == keys }, "every key fails once")
+	h.settled(t)
+	seen := map[time.Duration]bool{}
+	for _, p := range h.m.Pending() {
+		d := p.Due.Sub(epoch)
+		assert.GreaterOrEqual(t, d, 750*time.Millisecond)
+		assert.LessOrEqual(t, d, 1250*time.Millisecond)
+		seen[d] = true
+	}
+	assert.Greater(t, len(seen), keys/2, "jitter should spread the due times")
+}
+
+func TestBackoffPutsEventStraightIntoBackoff(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r)
+	h.m.Backoff("a", ev{"a", 1})
+	require.True(t, h.m.InBackoff("a"))
+	h.submit(t, ev{"a", 2})
+	p := h.pending("a")
+	assert.Equal(t, anys(evs("a", 1, 2)...), p.Events)
+	assert.Equal(t, epoch.Add(time.Second), p.Due)
+	assert.Equal(t, 0, r.callCount())
+
+	h.clock.Step(time.Second)
+	waitFor(t, func() bool { return len(r.handledList()) == 2 }, "replay handles both")
+	assert.Equal(t, anys(evs("a", 1, 2)...), r.handledList())
+}
+
+func TestForgetReturnsTheBackoffQueue(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r)
+	h.m.Backoff("a", ev{"a", 1})
+	h.m.Backoff("a", ev{"a", 2})
+	assert.Equal(t, anys(evs("a", 1, 2)...), h.m.Forget("a"))
+	assert.False(t, h.m.InBackoff("a"))
+	assert.Empty(t, h.m.Pending())
+	assert.Nil(t, h.m.Forget("a"))
+	s := h.m.Stats()
+	assert.Equal(t, uint64(2), s.Forgotten)
+	assert.Zero(t, s.KeysInBackoff)
+	assert.Zero(t, s.EventsInBackoff)
+
+	// Nothing fires for the forgotten key.
+	h.clock.Step(time.Hour)
+	h.submit(t, ev{"b", 1})
+	waitFor(t, func() bool { return len(r.handledList()) == 1 }, "b handled")
+	assert.Equal(t, anys(ev{"b", 1}), r.handledList())
+}
+
+func TestDueHeapOrdersManyKeys(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithBackoff(time.Second, time.Hour))
+	// Keys put in backoff one second apart replay one at a time, in due order.
+	for i := range 5 {
+		h.m.Backoff(string(rune('a'+i)), ev{string(rune('a' + i)), 1})
+		h.clock.Step(time.Second)
+		waitFor(t, func() bool { return len(r.handledList()) == i+1 }, "key %d replayed", i)
+	}
+	got := r.handledList()
+	for i, e := range got {
+		assert.Equal(t, string(rune('a'+i)), e.(ev).Key)
+	}
+}

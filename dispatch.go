@@ -1,0 +1,373 @@
+package eventmonitor
+
+import (
+	"context"
+	"fmt"
+	"runtime/debug"
+	"time"
+
+	"github.com/containerd/log"
+)
+
+// item is one accepted event waiting in its key's queue.
+type item struct {
+	event     any
+	topic     string // envelope topic and namespace, for logs; "" for Submit
+	namespace string
+	attempts  int // failed handler calls so far
+}
+
+// keyState is everything the monitor knows about one key. A key exists in
+// Monitor.keys only while it holds events, runs, or is in backoff.
+//
+// A key is in exactly one of these places at a time: idle (not listed),
+// in the run queue (ready), in a handler call (running), or in the due heap
+// (heapIndex >= 0). That is what keeps one key on one goroutine.
+type keyState struct {
+	key       string
+	queue     fifo[item]
+	running   bool
+	ready     bool
+	heapIndex int
+	due       time.Time
+	delay     time.Duration // current backoff delay; 0 outside backoff
+
+	// replayLeft counts the events at the head of the queue that belong to
+	// the replay in progress; replayInFlight is set while one of them is in
+	// a handler call. When both are done the key leaves backoff.
+	replayLeft     int
+	replayInFlight bool
+
+	// countedEvents is what this key adds to Monitor.eventsInBackoff, and
+	// countedInBackoff whether it adds to keysInBackoff; recount keeps them.
+	countedEvents    int
+	countedInBackoff bool
+}
+
+func (k *keyState) inBackoff() bool {
+	return k.heapIndex >= 0 || k.replayLeft > 0 || k.replayInFlight
+}
+
+// idle reports whether k can be forgotten: nothing queued, running or due.
+func (k *keyState) idle() bool {
+	return !k.running && !k.ready && k.queue.len() == 0 && !k.inBackoff()
+}
+
+// keyFor returns k's state, creating it (from the spare list) if needed.
+func (m *Monitor) keyFor(key string) *keyState {
+	if k, ok := m.keys[key]; ok {
+		return k
+	}
+	var k *keyState
+	if n := len(m.spare); n > 0 {
+		k, m.spare = m.spare[n-1], m.spare[:n-1]
+	} else {
+		k = &keyState{heapIndex: -1}
+	}
+	k.key = key
+	m.keys[key] = k
+	return k
+}
+
+// maxSpareKeys bounds the free list of key states kept for reuse: enough to
+// make the churn of keys going idle and busy again allocation-free.
+const maxSpareKeys = 1024
+
+// releaseIfIdle forgets k once it is idle. mu is held.
+func (m *Monitor) releaseIfIdle(k *keyState) {
+	if !k.idle() {
+		return
+	}
+	delete(m.keys, k.key)
+	if len(m.spare) < maxSpareKeys {
+		k.key, k.due, k.delay = "", time.Time{}, 0
+		m.spare = append(m.spare, k)
+	}
+}
+
+// recount brings the backoff gauges up to date with k's state after any
+// change to it, and resets the delay of a key that has left backoff. mu is held.
+func (m *Monitor) recount(k *keyState) {
+	in := k.inBackoff()
+	events := 0
+	if in {
+		events = k.queue.len()
+	}
+	m.eventsInBackoff += events - k.countedEvents
+	k.countedEvents = events
+	if in != k.countedInBackoff {
+		k.countedInBackoff = in
+		if in {
+			m.keysInBackoff++
+		} else {
+			m.keysInBackoff--
+			k.delay = 0
+		}
+	}
+}
+
+// schedule puts k in the run queue if it has work a worker may start now.
+// mu is held.
+func (m *Monitor) schedule(k *keyState) bool {
+	if k.running || k.ready || k.heapIndex >= 0 || k.queue.len() == 0 {
+		return false
+	}
+	k.ready = true
+	m.ready.push(k)
+	if m.idleWorkers > 0 {
+		m.workAvailable.Signal()
+	}
+	return true
+}
+
+// nextReady waits for a runnable key; nil means the worker should exit.
+// mu is held.
+func (m *Monitor) nextReady() *keyState {
+	for {
+		if m.state == stateStopped {
+			return nil
+		}
+		if m.ready.len() > 0 {
+			k := m.ready.pop()
+			k.ready = false
+			if !k.running && k.heapIndex < 0 && k.queue.len() > 0 {
+				return k
+			}
+			m.releaseIfIdle(k)
+			continue
+		}
+		m.idleWorkers++
+		m.workAvailable.Wait()
+		m.idleWorkers--
+	}
+}
+
+func (m *Monitor) worker() {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for {
+		k := m.nextReady()
+		if k == nil {
+			m.busy--
+			m.signalProgress()
+			return
+		}
+		if !m.handleNext(k) {
+			return // Stop abandoned this goroutine's call; it no longer counts
+		}
+	}
+}
+
+// handleNext runs the head of k's queue on the calling goroutine and settles
+// the outcome. mu is held on entry and on return; it is released around the
+// handler call and any logging or drop callbacks. It returns false if Stop
+// abandoned the call while it ran.
+func (m *Monitor) handleNext(k *keyState) bool {
+	wasReplay := k.replayLeft > 0
+	it := k.queue.pop()
+	m.queued--
+	if wasReplay {
+		k.replayLeft--
+		k.replayInFlight = true
+	}
+	m.recount(k)
+	k.running = true
+	call := m.startCall(k.key, it.event)
+	m.mu.Unlock()
+
+	err := m.invoke(call, it.event)
+
+	m.mu.Lock()
+	if call.abandoned {
+		return false // already unlinked and accounted for by abandon
+	}
+	m.calls.remove(call)
+	out := m.complete(k, it, err)
+	if call.expired {
+		out.overran = m.cfg.clock.Since(call.started)
+	}
+	if out.needsReport() {
+		m.mu.Unlock()
+		m.report(out)
+		m.mu.Lock()
+	}
+	return true
+}
+
+// startCall registers a call in flight and returns its context. mu is held.
+func (m *Monitor) startCall(key string, event any) *handlerContext {
+	now := m.cfg.clock.Now()
+	c := &handlerContext{
+		Context:  m.base,
+		key:      key,
+		event:    event,
+		started:  now,
+		deadline: now.Add(m.cfg.handleTimeout),
+	}
+	if m.calls.n == 0 || !m.armed {
+		m.rearm(c.deadline)
+	}
+	m.calls.add(c)
+	if m.state == stateStopped {
+		c.cancel(context.Canceled)
+	}
+	return c
+}
+
+// invoke calls the handler, turning a panic into ErrHandlerPanic.
+func (m *Monitor) invoke(ctx *handlerContext, event any) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("%w: %v", ErrHandlerPanic, r)
+			m.cfg.logger.WithFields(log.Fields{"key": ctx.key, "stack": string(debug.Stack())}).
+				WithError(err).Error("event handler panicked")
+		}
+	}()
+	return m.handler.HandleEvent(ctx, event)
+}
+
+// outcome is what a finished call leaves to report once mu is released.
+type outcome struct {
+	key     string
+	it      item
+	err     error         // the handler's error, nil on success
+	delay   time.Duration // the backoff the failed event now waits
+	drop    *Drop         // set when the monitor gave up on the event
+	overran time.Duration // how long a call that passed its deadline ran
+}
+
+func (o *outcome) needsReport() bool { return o.err != nil || o.overran > 0 }
+
+// complete settles a finished call: on success the replay advances; on
+// failure the event returns to the head of the queue and the key waits, or
+// the monitor gives up on it. mu is held.
+func (m *Monitor) complete(k *keyState, it item, err error) outcome {
+	out := outcome{key: k.key, it: it, err: err}
+	k.running = false
+	wasReplay := k.replayInFlight
+	k.replayInFlight = false
+	if err == nil {
+		m.stats.Handled++
+	} else {
+		m.stats.Failed++
+		it.attempts++
+		out.it.attempts = it.attempts
+		if reason := m.giveUp(it, err); reason != nil {
+			out.drop = &Drop{Key: k.key, Events: []any{it.event}, Reason: reason}
+			m.stats.Dropped++
+		} else {
+			m.requeue(k, it, wasReplay)
+			out.delay = k.delay
+		}
+	}
+	m.recount(k)
+	if !m.schedule(k) {
+		m.releaseIfIdle(k)
+	}
+	m.signalProgress()
+	return out
+}
+
+// giveUp returns why the monitor stops retrying a failed event, or nil.
+func (m *Monitor) giveUp(it item, err error) error {
+	if m.state != stateRunning {
+		return fmt.Errorf("%w: failed while shutting down: %w", ErrStopped, err)
+	}
+	if max := m.cfg.maxAttempts; max > 0 && it.attempts >= max {
+		return fmt.Errorf("%w (%d): %w", ErrMaxAttempts, it.attempts, err)
+	}
+	return nil
+}
+
+// requeue puts a failed event back at the head of its key's queue and makes
+// the key wait: the initial delay after a fresh failure, double the last one
+// after a failed replay. A key that Backoff put in the heap while this call
+// ran keeps its due time. mu is held.
+func (m *Monitor) requeue(k *keyState, it item, wasReplay bool) {
+	k.queue.pushFront(it)
+	m.queued++
+	if k.heapIndex >= 0 {
+		return
+	}
+	switch {
+	case wasReplay:
+		k.delay = nextDelay(k.delay, m.cfg.maxBackoff)
+	case k.delay == 0:
+		k.delay = m.cfg.initialBackoff
+	}
+	k.replayLeft = 0 // the events behind it wait with it
+	m.wait(k)
+}
+
+// report logs a finished call's failure or overrun and hands a drop over.
+// Failures log once per handler call: a key in backoff makes at most one
+// call per delay, so a failing key cannot flood the log.
+func (m *Monitor) report(out outcome) {
+	fields := log.Fields{"key": out.key, "attempt": out.it.attempts}
+	if out.it.topic != "" {
+		fields["topic"], fields["namespace"] = out.it.topic, out.it.namespace
+	}
+	entry := m.cfg.logger.WithFields(fields)
+	if out.overran > 0 {
+		entry.WithField("ran", out.overran).Warn("event handler returned after its deadline")
+	}
+	switch {
+	case out.drop != nil:
+		entry.WithError(out.err).Warn("giving up on event")
+		m.emit(*out.drop)
+	case out.err != nil:
+		entry.WithError(out.err).WithField("delay", out.delay).Warn("event handling failed; backing off")
+	}
+}
+
+// expireCalls cancels the contexts of calls whose deadline has passed and,
+// once Stop is waiting, abandons them. It returns the calls that newly
+// overran, for logging outside mu. mu is held.
+func (m *Monitor) expireCalls(now time.Time) []*handlerContext {
+	var overruns []*handlerContext
+	for c := m.calls.head; c != nil; {
+		next := c.next
+		if c.deadline.After(now) {
+			break
+		}
+		if !c.expired {
+			c.expired = true
+			c.cancel(context.DeadlineExceeded)
+			overruns = append(overruns, c)
+		}
+		if m.state == stateStopped {
+			m.abandon(c)
+		}
+		c = next
+	}
+	return overruns
+}
+
+// abandon stops waiting for a call that overran its deadline during Stop:
+// its event goes to the drop handler, and its goroutine, when the handler
+// finally returns, exits without touching the monitor. mu is held.
+func (m *Monitor) abandon(c *handlerContext) {
+	c.abandoned = true
+	m.calls.remove(c)
+	m.busy--
+	m.stats.Dropped++
+	m.abandonedDrops = append(m.abandonedDrops, Drop{
+		Key:    c.key,
+		Events: []any{c.event},
+		Reason: fmt.Errorf("%w: handler still running at its deadline, abandoned", ErrStopped),
+	})
+	m.signalProgress()
+}
+
+func (m *Monitor) reportOverruns(calls []*handlerContext, now time.Time) {
+	for _, c := range calls {
+		m.cfg.logger.WithFields(log.Fields{"key": c.key, "running": now.Sub(c.started)}).
+			Warn("event handler overran its timeout; its key stays held until it returns")
+	}
+}
+
+func (m *Monitor) signalProgress() {
+	if m.progressWaiters > 0 {
+		m.progress.Broadcast()
+	}
+}

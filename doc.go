@@ -1,0 +1,29 @@
+// Package eventmonitor turns a container runtime's event stream into
+// reliable, ordered, per-key handling with exponential backoff. It is what a
+// CRI plugin or a custom runtime embeds instead of writing its own event loop.
+//
+// Events come from a Subscriber (through a Converter that types and keys
+// them), from Submit, or from WatchExit, and go to a Handler. The monitor
+// guarantees:
+//
+//   - Ordered: events of one key are handled one at a time, in the order
+//     accepted. While a key is in backoff, its new events queue behind it.
+//   - One path per key: no two handler calls for a key ever overlap, not even
+//     when a call overruns its timeout; the key stays held until it returns.
+//   - Parallel and fair: with WithWorkers(n), up to n keys are handled at
+//     once, taking turns, so a slow key never holds up another while a
+//     worker is free.
+//   - Exact backoff: a failed event waits in its key's queue; the queue
+//     replays when due, doubling its delay after every failed replay up to a
+//     cap and resetting once the replay succeeds. Due times sit in a heap
+//     behind one clock timer: no periodic scan, no idle cost, no lateness.
+//   - Nothing vanishes: every accepted event is handled, is still queued
+//     (Stats, Pending), was returned by Forget, or reaches the drop handler
+//     with a reason. Stop and Shutdown hand over what is left.
+//   - Clock-driven: every delay, deadline and timestamp comes from the
+//     configured clock, so tests with a fake clock control retries exactly.
+//
+// The entry points mirror containerd's CRI event monitor (Subscribe, Start,
+// Stop, Backoff) so it can be swapped in, and add Run (re-subscription with
+// backoff and a resync hook) and Shutdown (drain before stopping).
+package eventmonitor

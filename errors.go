@@ -1,0 +1,32 @@
+package eventmonitor
+
+import "errors"
+
+// Sentinel errors. Every error the monitor returns or reports in a Drop wraps
+// one of these, so callers test them with errors.Is.
+var (
+	// ErrUnsupportedEvent: the payload's type has no key (no TypeKey for it)
+	// or its type URL is not registered with typeurl.
+	ErrUnsupportedEvent = errors.New("eventmonitor: unsupported event type")
+	// ErrInvalidEvent: a nil envelope, payload or event, an empty or oversized
+	// key, or a key function that panicked.
+	ErrInvalidEvent = errors.New("eventmonitor: invalid event")
+	// ErrDecode: the payload's bytes could not be unmarshalled.
+	ErrDecode = errors.New("eventmonitor: cannot decode event")
+	// ErrMaxAttempts: the event failed as many times as WithMaxAttempts allows.
+	ErrMaxAttempts = errors.New("eventmonitor: gave up after max attempts")
+	// ErrQueueFull: the key already holds WithMaxQueuedPerKey events.
+	ErrQueueFull = errors.New("eventmonitor: key queue full")
+	// ErrStopped: the monitor is stopped or shutting down.
+	ErrStopped = errors.New("eventmonitor: monitor stopped")
+	// ErrHandlerPanic: the handler panicked; the event is treated as failed.
+	ErrHandlerPanic = errors.New("eventmonitor: handler panicked")
+	// ErrInvalidOption: New was given an option value it cannot work with.
+	ErrInvalidOption = errors.New("eventmonitor: invalid option")
+	// ErrNoConverter: envelope intake needs WithConverter.
+	ErrNoConverter = errors.New("eventmonitor: no converter (use WithConverter)")
+	// ErrNotSubscribed: Start was called before Subscribe.
+	ErrNotSubscribed = errors.New("eventmonitor: Start called before Subscribe")
+	// ErrStreamClosed: the subscriber closed its stream without an error.
+	ErrStreamClosed = errors.New("eventmonitor: event stream closed")
+)

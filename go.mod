@@ -1,0 +1,18 @@
+module github.com/eventmonitor/eventmonitor
+
+go 1.23
+
+require (
+	github.com/containerd/log v0.2.0
+	github.com/containerd/typeurl/v2 v2.3.0
+	github.com/sirupsen/logrus v1.10.2
+	github.com/stretchr/testify v1.12.1
+	go.uber.org/goleak v1.3.0
+	k8s.io/utils v0.0.0-20250604170112-4c0f3b243397
+)
+
+require (
+	go.yaml.in/yaml/v3 v3.0.5 // indirect
+	golang.org/x/sys v0.13.0 // indirect
+	google.golang.org/protobuf v1.33.0 // indirect
+)

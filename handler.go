@@ -1,0 +1,50 @@
+package eventmonitor
+
+import (
+	"context"
+	"reflect"
+)
+
+// Handler handles one typed event.
+type Handler interface {
+	// HandleEvent handles one typed event. ctx carries the per-event timeout.
+	// A non-nil error (or a panic) sends the event to its key's backoff queue.
+	HandleEvent(ctx context.Context, event any) error
+}
+
+// HandlerFunc adapts a function to Handler.
+type HandlerFunc func(ctx context.Context, event any) error
+
+// HandleEvent calls f.
+func (f HandlerFunc) HandleEvent(ctx context.Context, event any) error { return f(ctx, event) }
+
+// Mux routes each event to the function registered for its Go type. Events of
+// a type with no function are ignored: HandleEvent returns nil for them, as
+// containerd's monitor skips topics it does not know.
+//
+// Register every type with On before the Mux handles its first event; a Mux
+// is not safe for registration concurrent with handling.
+type Mux struct {
+	routes map[reflect.Type]func(ctx context.Context, event any) error
+}
+
+// NewMux returns an empty Mux.
+func NewMux() *Mux {
+	return &Mux{routes: make(map[reflect.Type]func(context.Context, any) error)}
+}
+
+// On routes events of type T to fn, replacing an earlier route for T. T is
+// the exact dynamic type (usually a pointer such as *events.TaskExit).
+func On[T any](m *Mux, fn func(ctx context.Context, event T) error) {
+	m.routes[reflect.TypeFor[T]()] = func(ctx context.Context, event any) error {
+		return fn(ctx, event.(T))
+	}
+}
+
+// HandleEvent implements Handler.
+func (m *Mux) HandleEvent(ctx context.Context, event any) error {
+	if route, ok := m.routes[reflect.TypeOf(event)]; ok {
+		return route(ctx, event)
+	}
+	return nil
+}

@@ -1,0 +1,414 @@
+package eventmonitor
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/containerd/log"
+)
+
+// MaxKeyLength bounds a key's length in bytes. Container, sandbox and image
+// names are far shorter; a longer key is refused as ErrInvalidEvent rather
+// than kept in memory.
+const MaxKeyLength = 4096
+
+type runState int
+
+const (
+	stateRunning  runState = iota
+	stateDraining          // Shutdown: no intake, queues still handled
+	stateStopped
+)
+
+// Monitor handles typed events in order per key, with parallelism across
+// keys and per-key exponential backoff. Create it with New; it runs until
+// Stop or Shutdown.
+type Monitor struct {
+	cfg     config
+	handler Handler
+	base    context.Context // parent of every handler context: carries the logger
+
+	mu              sync.Mutex
+	workAvailable   sync.Cond // workers wait here for a ready key
+	progress        sync.Cond // Stop, Shutdown and stream intake wait here
+	progressWaiters int
+	idleWorkers     int
+	busy            int // goroutines Stop waits for: workers, inline exit calls
+	state           runState
+	keys            map[string]*keyState
+	spare           []*keyState
+	ready           fifo[*keyState]
+	due             dueHeap
+	calls           callList
+	armed           bool // the scheduler will wake by wakeAt
+	wakeAt          time.Time
+	queued          int // events in queues, in backoff or not
+	keysInBackoff   int
+	eventsInBackoff int
+	stats           Stats // counters only; gauges are filled in by Stats()
+	abandonedDrops  []Drop
+	subscribed      *subscription
+
+	intake        context.Context // ends when Stop or Shutdown begins
+	cancelIntake  context.CancelFunc
+	wake          chan struct{}
+	quit          chan struct{}
+	schedulerDone chan struct{}
+	stopOnce      sync.Once
+	stopped       chan struct{}
+	goroutines    sync.WaitGroup // Start's reader and exit watchers
+}
+
+// New returns a running Monitor that hands events to h. Its workers and its
+// scheduler start at once, so Submit works without a stream; release them
+// with Stop or Shutdown. Invalid options are reported together, wrapping
+// ErrInvalidOption.
+func New(h Handler, opts ...Option) (*Monitor, error) {
+	if h == nil {
+		return nil, fmt.Errorf("%w: nil handler", ErrInvalidOption)
+	}
+	cfg := defaultConfig()
+	for _, opt := range opts {
+		if opt != nil {
+			opt(&cfg)
+		}
+	}
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	if cfg.onDrop == nil {
+		cfg.onDrop = logDrop(cfg.logger)
+	}
+	m := &Monitor{
+		cfg:           cfg,
+		handler:       h,
+		base:          log.WithLogger(context.Background(), cfg.logger),
+		keys:          make(map[string]*keyState),
+		busy:          cfg.workers,
+		wake:          make(chan struct{}, 1),
+		quit:          make(chan struct{}),
+		schedulerDone: make(chan struct{}),
+		stopped:       make(chan struct{}),
+	}
+	m.workAvailable.L = &m.mu
+	m.progress.L = &m.mu
+	m.intake, m.cancelIntake = context.WithCancel(context.Background())
+	for range cfg.workers {
+		go m.worker()
+	}
+	go m.scheduler()
+	return m, nil
+}
+
+// Submit hands the monitor a typed event that did not come from its stream
+// (a relist, an exit, a retry from elsewhere). A nil error means the event
+// was accepted: it will be handled, or be in Pending, or reach the drop
+// handler. An error means it was refused and the caller still owns it:
+// ErrStopped after Stop or Shutdown began, ErrQueueFull, ErrInvalidEvent.
+func (m *Monitor) Submit(key string, event any) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	k, err := m.accept(key, item{event: event})
+	if err != nil {
+		return err
+	}
+	m.schedule(k)
+	return nil
+}
+
+// accept validates an event and appends it to its key's queue without
+// scheduling the key. mu is held.
+func (m *Monitor) accept(key string, it item) (*keyState, error) {
+	if m.state != stateRunning {
+		return nil, ErrStopped
+	}
+	if err := checkKey(key); err != nil {
+		return nil, err
+	}
+	if it.event == nil {
+		return nil, fmt.Errorf("%w: nil event for key %q", ErrInvalidEvent, key)
+	}
+	k := m.keyFor(key)
+	if max := m.cfg.maxQueuedPerKey; max > 0 && k.queue.len() >= max {
+		m.releaseIfIdle(k)
+		return nil, fmt.Errorf("%w: key %q holds %d events", ErrQueueFull, key, max)
+	}
+	k.queue.push(it)
+	m.queued++
+	m.recount(k)
+	m.stats.Received++
+	return k, nil
+}
+
+func checkKey(key string) error {
+	switch {
+	case key == "":
+		return fmt.Errorf("%w: empty key", ErrInvalidEvent)
+	case len(key) > MaxKeyLength:
+		return fmt.Errorf("%w: key of %d bytes (max %d)", ErrInvalidEvent, len(key), MaxKeyLength)
+	}
+	return nil
+}
+
+// Backoff puts event straight into key's backoff queue, behind what the key
+// already holds. A key not yet in backoff waits the initial delay. An event
+// the monitor cannot take (stopped, full, invalid) goes to the drop handler.
+func (m *Monitor) Backoff(key string, event any) {
+	m.mu.Lock()
+	k, err := m.accept(key, item{event: event})
+	if err != nil {
+		d := m.refuseLocked(key, event, err)
+		m.mu.Unlock()
+		m.emit(d)
+		return
+	}
+	if !k.inBackoff() {
+		k.delay = m.cfg.initialBackoff
+		m.wait(k)
+		m.recount(k)
+	}
+	m.mu.Unlock()
+}
+
+// InBackoff reports whether key has events waiting in backoff or replaying.
+func (m *Monitor) InBackoff(key string) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	k, ok := m.keys[key]
+	return ok && k.inBackoff()
+}
+
+// Forget removes every event of key that has not started handling (in
+// backoff or waiting for a worker) and returns them in order; the caller now
+// owns them. A call in progress for key is not affected. Use it when the
+// object behind the key is gone.
+func (m *Monitor) Forget(key string) []any {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	k, ok := m.keys[key]
+	if !ok {
+		return nil
+	}
+	if k.heapIndex >= 0 {
+		m.removeFromHeap(k)
+	}
+	k.replayLeft = 0
+	events := m.takeEvents(k)
+	m.stats.Forgotten += uint64(len(events))
+	m.releaseIfIdle(k)
+	return events
+}
+
+// takeEvents empties k's queue and returns its events. mu is held.
+func (m *Monitor) takeEvents(k *keyState) []any {
+	if k.queue.len() == 0 {
+		return nil
+	}
+	events := make([]any, 0, k.queue.len())
+	for k.queue.len() > 0 {
+		events = append(events, k.queue.pop().event)
+	}
+	m.queued -= len(events)
+	m.recount(k)
+	return events
+}
+
+// Pending is one key's backoff queue as Pending() saw it.
+type Pending struct {
+	Key      string
+	Events   []any     // in the order they will be handled
+	Attempts int       // failed handler calls of the event at the head
+	Due      time.Time // when the queue replays (in the past while replaying)
+}
+
+// Pending returns a snapshot of every backoff queue, sorted by key.
+func (m *Monitor) Pending() []Pending {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	var out []Pending
+	for _, k := range m.keys {
+		if !k.inBackoff() {
+			continue
+		}
+		p := Pending{Key: k.key, Due: k.due, Events: make([]any, 0, k.queue.len())}
+		for _, it := range k.queue.all() {
+			p.Events = append(p.Events, it.event)
+		}
+		if k.queue.len() > 0 {
+			p.Attempts = k.queue.peek().attempts
+		}
+		out = append(out, p)
+	}
+	slices.SortFunc(out, func(a, b Pending) int { return strings.Compare(a.Key, b.Key) })
+	return out
+}
+
+// Stats holds the monitor's counters and gauges.
+//
+// Every event accepted is counted once in Received and ends in exactly one
+// of Handled, Dropped, Forgotten, or the gauges Queued, EventsInBackoff and
+// InFlight; envelopes of other namespaces are Received and Filtered.
+type Stats struct {
+	// Received: every envelope read and every accepted Submit or Backoff;
+	// Filtered: envelopes of other namespaces; Handled: successful handler
+	// calls; Failed: failed ones (panics too); Retried: backoff replays
+	// started; Dropped: events handed to the drop handler; Forgotten: events
+	// returned by Forget; Resubscribed: Run's re-subscriptions.
+	Received, Filtered, Handled, Failed, Retried, Dropped, Forgotten, Resubscribed uint64
+	// InFlight: handler calls running; Queued: events waiting for a worker;
+	// KeysInBackoff, EventsInBackoff: keys and events waiting or replaying.
+	InFlight, Queued, KeysInBackoff, EventsInBackoff int
+}
+
+// Stats returns a consistent snapshot of the counters and gauges.
+func (m *Monitor) Stats() Stats {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	s := m.stats
+	s.InFlight = m.calls.n
+	s.Queued = m.queued - m.eventsInBackoff
+	s.KeysInBackoff = m.keysInBackoff
+	s.EventsInBackoff = m.eventsInBackoff
+	return s
+}
+
+// Drop is an event, or an envelope that never became one, that the monitor
+// gave up on.
+type Drop struct {
+	Key    string
+	Events []any // nil when the envelope could not be decoded
+	Reason error // wraps ErrUnsupportedEvent, ErrDecode, ErrInvalidEvent, ErrMaxAttempts, ErrQueueFull or ErrStopped
+}
+
+// dropLocked counts a drop and returns it for emit, which runs without mu.
+func (m *Monitor) dropLocked(key string, events []any, reason error) Drop {
+	m.stats.Dropped += uint64(max(1, len(events)))
+	return Drop{Key: key, Events: events, Reason: reason}
+}
+
+// refuseLocked drops an event that arrived with no caller to refuse it to
+// (from the stream, an exit watcher or Backoff): it counts as received and
+// dropped, so Stats still accounts for it. event may be nil. mu is held.
+func (m *Monitor) refuseLocked(key string, event any, reason error) Drop {
+	m.stats.Received++
+	var events []any
+	if event != nil {
+		events = []any{event}
+	}
+	return m.dropLocked(key, events, reason)
+}
+
+// emit hands a drop to the drop handler; a panicking drop handler is logged
+// rather than allowed to take a worker or the stream down.
+func (m *Monitor) emit(d Drop) {
+	defer func() {
+		if r := recover(); r != nil {
+			m.cfg.logger.WithField("key", d.Key).Errorf("drop handler panicked: %v", r)
+		}
+	}()
+	m.cfg.onDrop(d)
+}
+
+func logDrop(l *log.Entry) func(Drop) {
+	return func(d Drop) {
+		l.WithField("key", d.Key).WithField("events", len(d.Events)).WithError(d.Reason).Warn("event dropped")
+	}
+}
+
+// Stop ends intake, cancels the context of every call in progress and waits
+// for those calls to return; a call still running at its deadline is
+// abandoned (its event dropped), so Stop returns within the handle timeout
+// even if a handler ignores its context. Then every event not yet handled,
+// queued or in backoff, goes to the drop handler with ErrStopped. Stop is
+// idempotent and safe to call from several goroutines.
+func (m *Monitor) Stop() {
+	m.stopOnce.Do(m.stop)
+	<-m.stopped
+}
+
+func (m *Monitor) stop() {
+	m.cancelIntake()
+	m.mu.Lock()
+	m.state = stateStopped
+	for c := m.calls.head; c != nil; c = c.next {
+		c.cancel(context.Canceled)
+	}
+	m.workAvailable.Broadcast()
+	m.progress.Broadcast()
+	select { // let the scheduler abandon calls already past their deadline
+	case m.wake <- struct{}{}:
+	default:
+	}
+	for m.busy > 0 {
+		m.waitProgress()
+	}
+	drops := m.abandonedDrops
+	m.abandonedDrops = nil
+	keys := make([]string, 0, len(m.keys))
+	for key := range m.keys {
+		keys = append(keys, key)
+	}
+	slices.Sort(keys)
+	for _, key := range keys {
+		k := m.keys[key]
+		if k.heapIndex >= 0 {
+			m.removeFromHeap(k)
+		}
+		k.replayLeft = 0
+		if events := m.takeEvents(k); len(events) > 0 {
+			drops = append(drops, m.dropLocked(key, events, ErrStopped))
+		}
+	}
+	m.mu.Unlock()
+	close(m.quit)
+	<-m.schedulerDone
+	m.goroutines.Wait()
+	for _, d := range drops {
+		m.emit(d)
+	}
+	close(m.stopped)
+}
+
+// waitProgress waits on the progress condition. mu is held.
+func (m *Monitor) waitProgress() {
+	m.progressWaiters++
+	m.progress.Wait()
+	m.progressWaiters--
+}
+
+// Shutdown stops intake (Submit returns ErrStopped from now on), handles
+// everything queued, replays every backoff queue once at once, then Stops.
+// An event that fails during the shutdown, or is still waiting when ctx
+// ends, goes to the drop handler with ErrStopped. It returns ctx's error if
+// ctx ended before everything was handled.
+func (m *Monitor) Shutdown(ctx context.Context) error {
+	m.cancelIntake()
+	m.mu.Lock()
+	if m.state == stateRunning {
+		m.state = stateDraining
+		for len(m.due) > 0 {
+			m.startReplay(m.due[0])
+		}
+		m.progress.Broadcast() // stream intake waiting for room gives up
+	}
+	stopWaking := context.AfterFunc(ctx, func() {
+		m.mu.Lock()
+		m.progress.Broadcast()
+		m.mu.Unlock()
+	})
+	for m.state == stateDraining && ctx.Err() == nil && (m.queued > 0 || m.calls.n > 0) {
+		m.waitProgress()
+	}
+	drained := m.queued == 0 && m.calls.n == 0
+	m.mu.Unlock()
+	stopWaking()
+	m.Stop()
+	if !drained && ctx.Err() != nil {
+		return fmt.Errorf("eventmonitor: shutdown: %w", ctx.Err())
+	}
+	return nil
+}

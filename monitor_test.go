@@ -1,0 +1,305 @@
+package eventmonitor
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func TestNewRejectsInvalidOptions(t *testing.T) {
+	for name, opt := range map[string]Option{
+		"zero initial":        WithBackoff(0, time.Second),
+		"negative max":        WithBackoff(time.Second, -1),
+		"initial above max":   WithBackoff(time.Minute, time.Second),
+		"jitter above 1":      WithJitter(1.5),
+		"negative jitter":     WithJitter(-0.1),
+		"zero workers":        WithWorkers(0),
+		"zero timeout":        WithHandleTimeout(0),
+		"negative attempts":   WithMaxAttempts(-1),
+		"negative queue":      WithMaxQueuedPerKey(-1),
+		"zero intake":         WithIntakeLimit(0),
+		"resubscribe inverse": WithResubscribe(time.Minute, time.Second),
+		"nil clock":           WithClock(nil),
+		"nil logger":          WithLogger(nil),
+	} {
+		t.Run(name, func(t *testing.T) {
+			m, err := New(HandlerFunc(func(context.Context, any) error { return nil }), opt)
+			require.ErrorIs(t, err, ErrInvalidOption)
+			assert.Nil(t, m)
+		})
+	}
+	_, err := New(nil)
+	require.ErrorIs(t, err, ErrInvalidOption)
+
+	_, err = New(newRecorder(), WithWorkers(0), WithJitter(2))
+	require.ErrorContains(t, err, "workers")
+	require.ErrorContains(t, err, "jitter", "every invalid option is reported")
+}
+
+func TestSubmitRejectsBadInput(t *testing.T) {
+	h := newHarness(t, newRecorder())
+	require.ErrorIs(t, h.m.Submit("", ev{}), ErrInvalidEvent)
+	require.ErrorIs(t, h.m.Submit(string(make([]byte, MaxKeyLength+1)), ev{}), ErrInvalidEvent)
+	require.ErrorIs(t, h.m.Submit("a", nil), ErrInvalidEvent)
+	assert.Zero(t, h.m.Stats().Received, "refused events are not counted as received")
+}
+
+func TestSlowKeyDoesNotDelayOthers(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithWorkers(4))
+	started, release := r.gate(ev{"slow", 1})
+	defer release()
+	h.submit(t, ev{"slow", 1})
+	<-started
+	h.submit(t, ev{"slow", 2})
+	var others []ev
+	for i := range 50 {
+		others = append(others, ev{fmt.Sprintf("k%d", i%10), i})
+	}
+	h.submit(t, others...)
+	waitFor(t, func() bool { return len(r.handledList()) == len(others) }, "other keys must not wait for the slow one")
+	assert.NotContains(t, r.handledList(), ev{"slow", 2}, "slow/2 must wait for slow/1")
+	release()
+	waitFor(t, func() bool { return len(r.handledList()) == len(others)+2 }, "slow key finishes")
+}
+
+func TestNoKeyRunsTwiceAtOnce(t *testing.T) {
+	const keys, perKey = 20, 40
+	r := newRecorder()
+	rng := rand.New(rand.NewPCG(1, 2))
+	var rngMu sync.Mutex
+	r.onCall = func(ctx context.Context, e any) error {
+		rngMu.Lock()
+		fail := rng.IntN(10) < 3
+		rngMu.Unlock()
+		if fail {
+			return errors.New("flaky")
+		}
+		return nil
+	}
+	h := newHarness(t, r, WithWorkers(4), WithBackoff(time.Second, 4*time.Second))
+
+	var wg sync.WaitGroup
+	for g := range 4 { // keys split over 4 submitting goroutines
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for s := range perKey {
+				for k := g; k < keys; k += 4 {
+					key := fmt.Sprintf("k%d", k)
+					if s%10 == 9 { // some arrive as exits, handled inline
+						exitCh := make(chan fakeExit, 1)
+						exitCh <- fakeExit{code: uint32(s)}
+						<-WatchExit(context.Background(), h.m, key, exitCh, func(uint32, time.Time) any { return ev{key, s} })
+						continue
+					}
+					assert.NoError(t, h.m.Submit(key, ev{key, s}))
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	for h.m.Stats().Handled < keys*perKey {
+		h.settled(t)
+		h.clock.Step(4 * time.Second)
+	}
+
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for key, n := range r.maxConc {
+		assert.Equal(t, 1, n, "key %s ran %d calls at once", key, n)
+	}
+	// Successful handling per key follows acceptance order.
+	next := map[string]int{}
+	for _, e := range r.handled {
+		e := e.(ev)
+		require.Equal(t, next[e.Key], e.Seq, "key %s out of order", e.Key)
+		next[e.Key]++
+	}
+	assert.Len(t, r.handled, keys*perKey)
+}
+
+func TestHandlerContextHasClockDrivenDeadline(t *testing.T) {
+	got := make(chan error, 1)
+	var deadline time.Time
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		deadline, _ = ctx.Deadline()
+		<-ctx.Done()
+		got <- ctx.Err()
+		return ctx.Err()
+	}), WithHandleTimeout(3*time.Second))
+	require.NoError(t, h.m.Submit("a", ev{"a", 1}))
+	waitFor(t, func() bool { return h.m.Stats().InFlight == 1 }, "call starts")
+	h.clock.Step(3*time.Second - time.Nanosecond)
+	select {
+	case err := <-got:
+		t.Fatalf("ctx ended before its deadline: %v", err)
+	default:
+	}
+	h.clock.Step(time.Nanosecond)
+	require.ErrorIs(t, <-got, context.DeadlineExceeded)
+	assert.Equal(t, epoch.Add(3*time.Second), deadline)
+}
+
+func TestOverrunningCallHoldsItsKey(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithWorkers(2), WithHandleTimeout(time.Second))
+	started, release := r.gate(ev{"a", 1}) // ignores its ctx
+	defer release()
+	h.submit(t, ev{"a", 1})
+	<-started
+	h.clock.Step(5 * time.Second)
+	waitFor(t, func() bool {
+		return h.logged("event handler overran its timeout; its key stays held until it returns", "a")
+	}, "the overrun is logged with its key")
+
+	// a/2 queues behind the overrunning call; b, submitted after it, runs on
+	// the free worker. Had a/2 been runnable, that worker would have taken it first.
+	h.submit(t, ev{"a", 2}, ev{"b", 1})
+	waitFor(t, func() bool { return len(r.handledList()) == 1 }, "b handled")
+	assert.Equal(t, anys(ev{"b", 1}), r.handledList())
+	assert.Equal(t, 1, h.m.Stats().Queued)
+
+	release()
+	waitFor(t, func() bool { return len(r.handledList()) == 3 }, "a/1 then a/2")
+	assert.Equal(t, anys(ev{"b", 1}, ev{"a", 1}, ev{"a", 2}), r.handledList())
+	assert.True(t, h.logged("event handler returned after its deadline", "a"))
+	assert.Equal(t, 1, r.maxConc["a"])
+}
+
+func TestStopHandsOverWhatIsLeft(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r)
+	started, release := r.gate(ev{"a", 1})
+	h.submit(t, ev{"a", 1})
+	<-started
+	h.submit(t, ev{"a", 2}, ev{"b", 1})
+	h.m.Backoff("c", ev{"c", 1})
+
+	stopped := make(chan struct{})
+	go func() { h.m.Stop(); close(stopped) }()
+	waitFor(t, h.stopping, "Stop begins")
+	require.ErrorIs(t, h.m.Submit("z", ev{"z", 1}), ErrStopped)
+	select {
+	case <-stopped:
+		t.Fatal("Stop returned while a call was in flight")
+	default:
+	}
+	release()
+	<-stopped
+	h.m.Stop() // idempotent
+
+	assert.Equal(t, anys(ev{"a", 1}), r.handledList(), "the in-flight call completes")
+	drops := h.drops.all()
+	require.Len(t, drops, 3)
+	for _, d := range drops {
+		assert.ErrorIs(t, d.Reason, ErrStopped)
+	}
+	assert.Equal(t, Drop{Key: "a", Events: anys(ev{"a", 2}), Reason: ErrStopped}, drops[0])
+	assert.Equal(t, Drop{Key: "b", Events: anys(ev{"b", 1}), Reason: ErrStopped}, drops[1])
+	assert.Equal(t, Drop{Key: "c", Events: anys(ev{"c", 1}), Reason: ErrStopped}, drops[2])
+	s := h.m.Stats()
+	assert.Equal(t, s.Received, s.Handled+s.Dropped)
+	assert.Zero(t, s.KeysInBackoff)
+}
+
+func TestStopCancelsCallsInFlight(t *testing.T) {
+	got := make(chan error, 1)
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		<-ctx.Done()
+		got <- ctx.Err()
+		return nil
+	}))
+	require.NoError(t, h.m.Submit("a", ev{"a", 1}))
+	waitFor(t, func() bool { return h.m.Stats().InFlight == 1 }, "call starts")
+	h.m.Stop()
+	require.ErrorIs(t, <-got, context.Canceled)
+}
+
+func TestStopAbandonsACallThatIgnoresItsContext(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithHandleTimeout(10*time.Second))
+	started, release := r.gate(ev{"a", 1})
+	h.submit(t, ev{"a", 1})
+	<-started
+
+	stopped := make(chan struct{})
+	go func() { h.m.Stop(); close(stopped) }()
+	waitFor(t, h.stopping, "Stop begins")
+	h.clock.Step(10 * time.Second) // the call's deadline passes
+	<-stopped
+
+	drops := h.drops.all()
+	require.Len(t, drops, 1)
+	assert.Equal(t, "a", drops[0].Key)
+	assert.Equal(t, anys(ev{"a", 1}), drops[0].Events)
+	assert.ErrorIs(t, drops[0].Reason, ErrStopped)
+	release() // the abandoned goroutine returns and exits; goleak checks it
+	waitFor(t, func() bool { return len(r.handledList()) == 1 }, "handler returns")
+	assert.Equal(t, uint64(0), h.m.Stats().Handled, "an abandoned call is not counted as handled")
+}
+
+func TestPanicIsAFailure(t *testing.T) {
+	calls := 0
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		calls++
+		if calls == 1 {
+			panic("boom")
+		}
+		return nil
+	}))
+	require.NoError(t, h.m.Submit("a", ev{"a", 1}))
+	waitFor(t, func() bool { return h.m.InBackoff("a") }, "panic sends the event to backoff")
+	assert.Equal(t, uint64(1), h.m.Stats().Failed)
+	assert.True(t, h.logged("event handler panicked", "a"))
+	h.clock.Step(time.Second)
+	waitFor(t, func() bool { return h.m.Stats().Handled == 1 }, "retry succeeds")
+}
+
+func TestMaxAttemptsGivesUpAndGoesOn(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithMaxAttempts(2))
+	r.fail(ev{"a", 1}, 10)
+	h.submit(t, evs("a", 1, 2)...)
+	waitFor(t, func() bool { return h.m.Stats().Failed == 1 }, "first failure")
+	h.settled(t)
+	h.clock.Step(time.Second)
+	waitFor(t, func() bool { return len(r.handledList()) == 1 }, "a/2 handled after a/1 is given up")
+	assert.Equal(t, anys(ev{"a", 2}), r.handledList())
+	drops := h.drops.all()
+	require.Len(t, drops, 1)
+	assert.ErrorIs(t, drops[0].Reason, ErrMaxAttempts)
+	assert.Equal(t, anys(ev{"a", 1}), drops[0].Events)
+	waitFor(t, func() bool { return !h.m.InBackoff("a") }, "a leaves backoff")
+}
+
+func TestMaxQueuedPerKeyRefusesOverflow(t *testing.T) {
+	h := newHarness(t, newRecorder(), WithMaxQueuedPerKey(2))
+	h.m.Backoff("a", ev{"a", 1})
+	require.NoError(t, h.m.Submit("a", ev{"a", 2}))
+	require.ErrorIs(t, h.m.Submit("a", ev{"a", 3}), ErrQueueFull)
+	h.m.Backoff("a", ev{"a", 4})
+	drops := h.drops.all()
+	require.Len(t, drops, 1, "Backoff has no caller to refuse to: it drops")
+	assert.ErrorIs(t, drops[0].Reason, ErrQueueFull)
+}
+
+func TestStatsAccountForEveryEvent(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithWorkers(2))
+	r.fail(ev{"b", 1}, 1)
+	h.submit(t, ev{"a", 1}, ev{"b", 1}, ev{"c", 1})
+	h.m.Backoff("d", ev{"d", 1})
+	waitFor(t, func() bool { return h.m.Stats().Handled == 2 }, "a and c handled")
+	h.settled(t)
+	s := h.m.Stats()
+	assert.Equal(t, Stats{Received: 4, Handled: 2, Failed: 1, KeysInBackoff: 2, EventsInBackoff: 2}, s)
+	assert.Len(t, h.m.Pending(), 2)
+}
