@@ -41,7 +41,7 @@ func TestWatchExitHandlesTheExit(t *testing.T) {
 
 func TestWatchExitUnknownStatus(t *testing.T) {
 	for name, send := range map[string]func(chan fakeExit){
-		"Result error":  func(c chan fakeExit) { c <- fakeExit{code: 1, err: errors.New("no status")} },
+		"Result error":   func(c chan fakeExit) { c <- fakeExit{code: 1, err: errors.New("no status")} },
 		"channel closed": func(c chan fakeExit) { close(c) },
 	} {
 		t.Run(name, func(t *testing.T) {

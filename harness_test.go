@@ -30,9 +30,9 @@ type recorder struct {
 	handled  []any
 	running  map[string]int
 	maxConc  map[string]int
-	failures map[ev]int                 // fail this event this many more times
-	gates    map[ev]chan struct{}       // block this event until closed
-	started  map[ev]chan struct{}       // closed when this event's call starts
+	failures map[ev]int                             // fail this event this many more times
+	gates    map[ev]chan struct{}                   // block this event until closed
+	started  map[ev]chan struct{}                   // closed when this event's call starts
 	onCall   func(ctx context.Context, e any) error // overrides failures when set
 }
 
