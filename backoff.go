@@ -79,10 +79,13 @@ func (m *Monitor) rearm(t time.Time) {
 	}
 }
 
-// clockSlack is how far the clock may move while the scheduler arms its
-// timer before it re-checks: far above the real clock's drift over a few
-// instructions, far below any backoff delay.
-const clockSlack = time.Millisecond
+// clockSlack is how far a clock may move while the scheduler arms its timer
+// and still be trusted after maxRearms tries: far above a real clock's drift
+// over a few instructions, far below any backoff delay.
+const (
+	clockSlack = time.Millisecond
+	maxRearms  = 2
+)
 
 // scheduler owns the monitor's one timer. It wakes at the earliest of the
 // next backoff due time and the oldest running call's deadline, so an idle
@@ -92,6 +95,7 @@ func (m *Monitor) scheduler() {
 	defer close(m.schedulerDone)
 	timer := m.cfg.clock.NewTimer(time.Hour)
 	defer timer.Stop()
+	rearms := 0
 	for {
 		m.mu.Lock()
 		now := m.cfg.clock.Now()
@@ -120,13 +124,17 @@ func (m *Monitor) scheduler() {
 		}
 		if armed {
 			timer.Reset(wakeAt.Sub(now))
-			// Reset is relative: if the clock moved since now was read (a
-			// fake clock stepped), the timer is late by that much, so look
-			// again rather than sleep on it.
-			if m.cfg.clock.Since(now) > clockSlack {
+			// Reset is relative to the clock's time when it runs. If the
+			// clock moved since now was read, the timer is late by that
+			// much (and a fake timer whose target has passed never fires),
+			// so look again. A real clock always moves a little: after a
+			// few tries, a move under clockSlack is accepted.
+			if moved := m.cfg.clock.Since(now); moved > 0 && (moved >= clockSlack || rearms < maxRearms) {
+				rearms++
 				continue
 			}
 		}
+		rearms = 0
 		select {
 		case <-timer.C():
 		case <-m.wake:

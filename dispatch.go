@@ -171,6 +171,7 @@ func (m *Monitor) handleNext(k *keyState) bool {
 		k.replayInFlight = true
 	}
 	m.recount(k)
+	m.signalProgress() // stream intake may be waiting for the room this frees
 	k.running = true
 	call := m.startCall(k.key, it.event)
 	m.mu.Unlock()

@@ -1,0 +1,79 @@
+package eventmonitor
+
+import (
+	"testing"
+
+	"github.com/containerd/typeurl/v2"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/types/known/anypb"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+)
+
+// jsonEvent is registered with typeurl, which marshals it as JSON.
+type jsonEvent struct {
+	ID   string `json:"id"`
+	Code int    `json:"code"`
+}
+
+func init() { typeurl.Register(&jsonEvent{}, "eventmonitor.test", "jsonEvent") }
+
+var testConverter = NewConverter(
+	KeyOf(func(v *wrapperspb.StringValue) string { return v.GetValue() }),
+	KeyOf(func(v *jsonEvent) string { return v.ID }),
+)
+
+func payload(t testing.TB, v any) typeurl.Any {
+	t.Helper()
+	a, err := typeurl.MarshalAnyToProto(v)
+	require.NoError(t, err)
+	return a
+}
+
+func TestConvertProtobufPayload(t *testing.T) {
+	key, event, err := testConverter.Convert(payload(t, wrapperspb.String("c1")))
+	require.NoError(t, err)
+	assert.Equal(t, "c1", key)
+	require.IsType(t, &wrapperspb.StringValue{}, event)
+	assert.Equal(t, "c1", event.(*wrapperspb.StringValue).GetValue())
+}
+
+func TestConvertJSONPayload(t *testing.T) {
+	key, event, err := testConverter.Convert(payload(t, &jsonEvent{ID: "c2", Code: 3}))
+	require.NoError(t, err)
+	assert.Equal(t, "c2", key)
+	assert.Equal(t, &jsonEvent{ID: "c2", Code: 3}, event)
+}
+
+func TestConvertErrors(t *testing.T) {
+	for name, tc := range map[string]struct {
+		payload typeurl.Any
+		want    error
+	}{
+		"registered type without a key": {payload(t, wrapperspb.Int64(7)), ErrUnsupportedEvent},
+		"unknown type URL":              {&anypb.Any{TypeUrl: "example.com/no.Such", Value: []byte{1}}, ErrUnsupportedEvent},
+		"empty type URL":                {&anypb.Any{}, ErrUnsupportedEvent},
+		"truncated protobuf":            {&anypb.Any{TypeUrl: "type.googleapis.com/google.protobuf.StringValue", Value: []byte{0x0a, 0x05, 'a'}}, ErrDecode},
+		"garbage JSON":                  {&anypb.Any{TypeUrl: "eventmonitor.test/jsonEvent", Value: []byte("{not json")}, ErrDecode},
+		"nil payload":                   {nil, ErrInvalidEvent},
+	} {
+		t.Run(name, func(t *testing.T) {
+			key, event, err := testConverter.Convert(tc.payload)
+			require.ErrorIs(t, err, tc.want)
+			assert.Empty(t, key)
+			assert.Nil(t, event)
+		})
+	}
+	_, _, err := testConverter.Convert(&anypb.Any{TypeUrl: "example.com/no.Such"})
+	assert.ErrorIs(t, err, typeurl.ErrNotFound, "typeurl's own error stays inspectable")
+}
+
+func TestLaterTypeKeyWins(t *testing.T) {
+	conv := NewConverter(
+		KeyOf(func(v *wrapperspb.StringValue) string { return "first" }),
+		KeyOf(func(v *wrapperspb.StringValue) string { return "second" }),
+	)
+	key, _, err := conv.Convert(payload(t, wrapperspb.String("x")))
+	require.NoError(t, err)
+	assert.Equal(t, "second", key)
+}
