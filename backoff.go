@@ -30,6 +30,10 @@ func (h *dueHeap) Pop() any {
 	return k
 }
 
+// add puts k in the heap; remove takes it out from wherever it is.
+func (h *dueHeap) add(k *keyState)    { heap.Push(h, k) }
+func (h *dueHeap) remove(k *keyState) { heap.Remove(h, k.heapIndex) }
+
 // nextDelay is the delay after a failed replay: doubled, capped.
 func nextDelay(d, max time.Duration) time.Duration {
 	if d >= max/2 {
@@ -53,14 +57,14 @@ func jittered(d time.Duration, fraction float64) time.Duration {
 // wait puts k in the due heap at now + its (jittered) delay. mu is held.
 func (m *Monitor) wait(k *keyState) {
 	k.due = m.cfg.clock.Now().Add(jittered(k.delay, m.cfg.jitter))
-	heap.Push(&m.due, k)
+	m.due.add(k)
 	m.rearm(k.due)
 }
 
 // startReplay takes k out of the heap: the events it holds now are the
 // replay, handled in order until one fails. mu is held.
 func (m *Monitor) startReplay(k *keyState) {
-	m.removeFromHeap(k)
+	m.due.remove(k)
 	k.replayLeft = k.queue.len()
 	m.stats.Retried++
 	m.recount(k)
@@ -143,6 +147,3 @@ func (m *Monitor) scheduler() {
 		}
 	}
 }
-
-// removeFromHeap takes k out of the due heap without replaying it. mu is held.
-func (m *Monitor) removeFromHeap(k *keyState) { heap.Remove(&m.due, k.heapIndex) }

@@ -194,7 +194,7 @@ func (m *Monitor) Forget(key string) []any {
 		return nil
 	}
 	if k.heapIndex >= 0 {
-		m.removeFromHeap(k)
+		m.due.remove(k)
 	}
 	k.replayLeft = 0
 	events := m.takeEvents(k)
@@ -356,7 +356,7 @@ func (m *Monitor) stop() {
 	for _, key := range keys {
 		k := m.keys[key]
 		if k.heapIndex >= 0 {
-			m.removeFromHeap(k)
+			m.due.remove(k)
 		}
 		k.replayLeft = 0
 		if events := m.takeEvents(k); len(events) > 0 {

@@ -1,0 +1,199 @@
+package eventmonitor
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"runtime"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+)
+
+// envInt reads an integer knob of the soak test from the environment.
+func envInt(t *testing.T, name string, def uint64) uint64 {
+	v := os.Getenv(name)
+	if v == "" {
+		return def
+	}
+	n, err := strconv.ParseUint(v, 10, 64)
+	require.NoError(t, err, "%s", name)
+	return n
+}
+
+// TestAccountingUnderChaos proves that nothing vanishes: with random
+// failures and panics, several goroutines submitting, and a stream that
+// breaks again and again, every accepted event ends up handled successfully
+// exactly once or in a Drop with a reason, and each key's successful
+// handling follows its acceptance order.
+//
+// EVENTMONITOR_SEED picks the seed; EVENTMONITOR_SOAK_EVENTS scales the run.
+func TestAccountingUnderChaos(t *testing.T) {
+	seed := envInt(t, "EVENTMONITOR_SEED", 1)
+	perSubmitter := int(envInt(t, "EVENTMONITOR_SOAK_EVENTS", 4000)) / 4
+	const submitters, keysEach, streamKeys = 3, 10, 10
+	t.Logf("seed %d, %d events per source", seed, perSubmitter)
+
+	var rngMu sync.Mutex
+	rng := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
+	roll := func() float64 { rngMu.Lock(); defer rngMu.Unlock(); return rng.Float64() }
+
+	var mu sync.Mutex
+	succeeded := map[string]int{} // event -> successful handler calls
+	lastSeq := map[string]int{}   // key -> last seq handled successfully
+	var panics, failures, orderViolations atomic.Int64
+	handler := HandlerFunc(func(ctx context.Context, e any) error {
+		var key string
+		var seq int
+		switch e := e.(type) {
+		case ev:
+			key, seq = e.Key, e.Seq
+		case *wrapperspb.StringValue:
+			_, err := fmt.Sscanf(e.GetValue(), "%s %d", &key, &seq)
+			if err != nil {
+				return err
+			}
+		}
+		switch r := roll(); {
+		case r < 0.05:
+			panics.Add(1)
+			panic("chaos")
+		case r < 0.30:
+			failures.Add(1)
+			return errors.New("chaos")
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		succeeded[fmt.Sprint(key, "/", seq)]++
+		if seq <= lastSeq[key] {
+			orderViolations.Add(1)
+		}
+		lastSeq[key] = seq
+		return nil
+	})
+	conv := NewConverter(KeyOf(func(v *wrapperspb.StringValue) string {
+		var key string
+		fmt.Sscanf(v.GetValue(), "%s", &key)
+		return key
+	}))
+	h := newHarness(t, handler, WithWorkers(4), WithConverter(conv), WithMaxAttempts(6),
+		WithBackoff(10*time.Millisecond, 80*time.Millisecond), WithJitter(0.2),
+		WithResubscribe(10*time.Millisecond, 40*time.Millisecond))
+
+	var accepted sync.Map // event -> true
+	stream := newFakeStream()
+	runCtx, stopRun := context.WithCancel(context.Background())
+	runDone := make(chan error, 1)
+	go func() { runDone <- h.m.Run(runCtx, stream) }()
+
+	// The clock moves on its own, fast, as long as the test runs.
+	stepping := make(chan struct{})
+	stepperDone := make(chan struct{})
+	go func() {
+		defer close(stepperDone)
+		for {
+			select {
+			case <-stepping:
+				return
+			default:
+				h.clock.Step(5 * time.Millisecond)
+				runtime.Gosched()
+			}
+		}
+	}()
+
+	var wg sync.WaitGroup
+	var breaks atomic.Int64
+	wg.Add(1)
+	go func() { // the stream's producer: breaks the stream every 200 events
+		defer wg.Done()
+		sub := <-stream.newSub
+		for i := range perSubmitter {
+			key := fmt.Sprintf("s%d", i%streamKeys)
+			env := &Envelope{Namespace: "ns", Topic: "/chaos", Event: payload(t, wrapperspb.String(fmt.Sprintf("%s %d", key, i+1)))}
+			for delivered := false; !delivered; {
+				select {
+				case sub.ch <- env:
+					delivered = true
+					accepted.Store(fmt.Sprint(key, "/", i+1), true)
+				case <-sub.ctx.Done():
+					sub = <-stream.newSub
+				}
+			}
+			if i%200 == 199 {
+				breaks.Add(1)
+				sub.errs <- errors.New("stream broke")
+				sub = <-stream.newSub
+			}
+		}
+	}()
+	for g := range submitters {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range perSubmitter {
+				key := fmt.Sprintf("g%d-%d", g, i%keysEach)
+				if h.m.Submit(key, ev{key, i + 1}) == nil {
+					accepted.Store(fmt.Sprint(key, "/", i+1), true)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	stopRun()
+	require.NoError(t, <-runDone)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	require.NoError(t, h.m.Shutdown(ctx))
+	close(stepping)
+	<-stepperDone
+
+	dropped := map[string]error{}
+	for _, d := range h.drops.all() {
+		require.NotNil(t, d.Reason)
+		require.True(t, errors.Is(d.Reason, ErrMaxAttempts) || errors.Is(d.Reason, ErrStopped), "unexpected reason %v", d.Reason)
+		for _, e := range d.Events {
+			var name string
+			switch e := e.(type) {
+			case ev:
+				name = e.String()
+			case *wrapperspb.StringValue:
+				var key string
+				var seq int
+				fmt.Sscanf(e.GetValue(), "%s %d", &key, &seq)
+				name = fmt.Sprint(key, "/", seq)
+			}
+			_, twice := dropped[name]
+			require.False(t, twice, "%s dropped twice", name)
+			dropped[name] = d.Reason
+		}
+	}
+	n := 0
+	accepted.Range(func(k, _ any) bool {
+		n++
+		name := k.(string)
+		_, wasDropped := dropped[name]
+		switch succeeded[name] {
+		case 0:
+			require.True(t, wasDropped, "%s was neither handled nor dropped", name)
+		case 1:
+			require.False(t, wasDropped, "%s was handled and dropped", name)
+		default:
+			t.Fatalf("%s handled %d times", name, succeeded[name])
+		}
+		return true
+	})
+	require.Zero(t, orderViolations.Load(), "successful handling out of acceptance order")
+	s := h.m.Stats()
+	require.Equal(t, uint64(n), s.Received)
+	require.Equal(t, s.Received, s.Handled+s.Dropped)
+	t.Logf("%d events: %d handled, %d dropped (%d handler failures, %d panics), %d stream breaks, %d re-subscriptions",
+		n, s.Handled, s.Dropped, failures.Load(), panics.Load(), breaks.Load(), s.Resubscribed)
+}

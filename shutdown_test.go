@@ -1,0 +1,96 @@
+package eventmonitor
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func TestShutdownDrainsQueuesAndReplaysBackoffAtOnce(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithBackoff(time.Hour, time.Hour))
+	started, release := r.gate(ev{"a", 1})
+	h.submit(t, ev{"a", 1})
+	<-started
+	h.submit(t, ev{"a", 2}, ev{"b", 1})
+	h.m.Backoff("c", ev{"c", 1}) // due in an hour: Shutdown must not wait for it
+	r.fail(ev{"d", 1}, 100)
+	h.m.Backoff("d", ev{"d", 1}) // fails again in the shutdown replay
+
+	done := make(chan error)
+	go func() { done <- h.m.Shutdown(context.Background()) }()
+	waitFor(t, h.stopping, "Shutdown begins")
+	require.ErrorIs(t, h.m.Submit("e", ev{"e", 1}), ErrStopped, "no intake once Shutdown begins")
+	release()
+	require.NoError(t, <-done)
+
+	assert.ElementsMatch(t, anys(ev{"a", 1}, ev{"a", 2}, ev{"b", 1}, ev{"c", 1}), r.handledList())
+	drops := h.drops.all()
+	require.Len(t, drops, 1)
+	assert.Equal(t, "d", drops[0].Key)
+	assert.ErrorIs(t, drops[0].Reason, ErrStopped)
+	assert.Equal(t, h.clock.Now(), epoch, "the replay ran at once, not when due")
+}
+
+func TestShutdownDeadlineDropsTheRest(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithHandleTimeout(time.Minute))
+	started, release := r.gate(ev{"a", 1})
+	defer release()
+	h.submit(t, ev{"a", 1})
+	<-started
+	h.submit(t, ev{"a", 2})
+
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error)
+	go func() { done <- h.m.Shutdown(ctx) }()
+	waitFor(t, h.stopping, "Shutdown begins")
+	cancel() // Shutdown gives up draining and Stops: a/1's ctx is cancelled
+	waitFor(t, func() bool {
+		h.m.mu.Lock()
+		defer h.m.mu.Unlock()
+		return h.m.state == stateStopped
+	}, "Shutdown gives up and stops")
+	release()
+	err := <-done
+	require.ErrorIs(t, err, context.Canceled)
+	drops := h.drops.all()
+	require.Len(t, drops, 1)
+	assert.Equal(t, anys(ev{"a", 2}), drops[0].Events)
+	assert.ErrorIs(t, drops[0].Reason, ErrStopped)
+}
+
+func TestShutdownAndStopAreSafeTogether(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithWorkers(2))
+	var wg sync.WaitGroup
+	for i := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for j := range 50 {
+				err := h.m.Submit("k", ev{"k", i*100 + j})
+				if err != nil {
+					require.ErrorIs(t, err, ErrStopped)
+				}
+				h.m.Backoff("b", ev{"b", i*100 + j})
+			}
+			if i%2 == 0 {
+				h.m.Stop()
+			} else {
+				_ = h.m.Shutdown(context.Background())
+			}
+		}()
+	}
+	wg.Wait()
+	s := h.m.Stats()
+	assert.Equal(t, s.Received, s.Handled+s.Dropped, "every accepted event handled or dropped")
+	for _, d := range h.drops.all() {
+		assert.True(t, errors.Is(d.Reason, ErrStopped), "reason %v", d.Reason)
+	}
+}
