@@ -1,0 +1,344 @@
+package relist
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/containerd/log"
+	"k8s.io/utils/clock"
+
+	"github.com/eventmonitor/eventmonitor"
+)
+
+// State is a container's state as the runtime lists it.
+type State string
+
+const (
+	StateRunning     State = "running"
+	StateExited      State = "exited"
+	StateUnknown     State = "unknown"
+	StateNonExistent State = "non-existent"
+)
+
+// Container is one container (or sandbox) of a listing.
+type Container struct {
+	ID    string
+	State State
+}
+
+// Pod is a pod of a listing; its sandboxes are containers too.
+type Pod struct {
+	ID         string
+	Containers []Container
+}
+
+// EventType is the kind of lifecycle change.
+type EventType string
+
+const (
+	ContainerStarted EventType = "ContainerStarted"
+	ContainerDied    EventType = "ContainerDied"
+	ContainerRemoved EventType = "ContainerRemoved"
+	ContainerChanged EventType = "ContainerChanged"
+)
+
+// Event is one lifecycle change found by a relist.
+type Event struct {
+	PodID       string
+	Type        EventType
+	ContainerID string
+}
+
+// ListFunc lists every pod with its containers.
+type ListFunc func(ctx context.Context) ([]Pod, error)
+
+// Option configures a Relister.
+type Option func(*Relister)
+
+// WithPeriod sets how often Run relists (default 1 s).
+func WithPeriod(d time.Duration) Option { return func(r *Relister) { r.period = d } }
+
+// WithThreshold sets how long after the last relist Healthy starts to err (default 3 min).
+func WithThreshold(d time.Duration) Option { return func(r *Relister) { r.threshold = d } }
+
+// WithClock sets the clock behind the period and the health check.
+func WithClock(c clock.WithTicker) Option { return func(r *Relister) { r.clock = c } }
+
+// WithInspect sets a function called for every pod with changes before its
+// events are emitted (pod nil: the pod is gone), to refresh what the
+// runtime's caller keeps about it. An error keeps the pod's old record: its
+// events are not emitted now and come again next relist.
+func WithInspect(fn func(ctx context.Context, podID string, pod *Pod) error) Option {
+	return func(r *Relister) { r.inspect = fn }
+}
+
+// WithChangedEvents emits ContainerChanged when a container turns unknown
+// (default off, as in kubelet).
+func WithChangedEvents(on bool) Option { return func(r *Relister) { r.changedEvents = on } }
+
+// WithInspectWorkers sets how many pods are inspected at once (default 4).
+func WithInspectWorkers(n int) Option { return func(r *Relister) { r.workers = n } }
+
+// Relister compares successive listings and emits the differences.
+type Relister struct {
+	list          ListFunc
+	sink          func(ctx context.Context, e Event) error
+	period        time.Duration
+	threshold     time.Duration
+	clock         clock.WithTicker
+	inspect       func(ctx context.Context, podID string, pod *Pod) error
+	changedEvents bool
+	workers       int
+
+	relisting  sync.Mutex // one relist at a time (Run and a resync hook may race)
+	records    map[string]*record
+	generation uint64
+
+	healthMu   sync.Mutex
+	lastListed time.Time // when the last relist that listed successfully started
+}
+
+// record is what the last accepted listing said about one pod.
+type record struct {
+	containers []Container
+	seen       uint64 // the generation of the last listing that had the pod
+	reinspect  bool   // the last inspection failed: inspect again even if unchanged
+}
+
+// New returns a Relister that lists with list and hands every event to sink.
+// Nonsensical option values (a period, threshold or worker count below 1)
+// fall back to the defaults.
+func New(list ListFunc, sink func(ctx context.Context, e Event) error, opts ...Option) *Relister {
+	r := &Relister{
+		list:      list,
+		sink:      sink,
+		period:    time.Second,
+		threshold: 3 * time.Minute,
+		clock:     clock.RealClock{},
+		workers:   4,
+		records:   make(map[string]*record),
+	}
+	for _, opt := range opts {
+		opt(r)
+	}
+	if r.period <= 0 {
+		r.period = time.Second
+	}
+	if r.threshold <= 0 {
+		r.threshold = 3 * time.Minute
+	}
+	if r.workers < 1 {
+		r.workers = 4
+	}
+	if r.clock == nil {
+		r.clock = clock.RealClock{}
+	}
+	return r
+}
+
+// ToMonitor returns a sink that submits each event to m keyed by pod ID, so
+// relist events are ordered and backed off like stream events. A refused
+// event (the monitor is stopped or the pod's queue is full) fails the sink,
+// so the pod keeps its record and the event comes again next relist.
+func ToMonitor(m *eventmonitor.Monitor) func(ctx context.Context, e Event) error {
+	return func(ctx context.Context, e Event) error { return m.Submit(e.PodID, e) }
+}
+
+// Healthy returns nil if the last relist that listed successfully started
+// within the threshold, and an error before the first one.
+func (r *Relister) Healthy() error {
+	r.healthMu.Lock()
+	last := r.lastListed
+	r.healthMu.Unlock()
+	if last.IsZero() {
+		return errors.New("relist: no relist has listed yet")
+	}
+	if since := r.clock.Since(last); since > r.threshold {
+		return fmt.Errorf("relist: last relist was %v ago; threshold %v", since, r.threshold)
+	}
+	return nil
+}
+
+// Run relists every period until ctx ends. Errors are logged; Healthy
+// reports a relister that stopped listing.
+func (r *Relister) Run(ctx context.Context) {
+	ticker := r.clock.NewTicker(r.period)
+	defer ticker.Stop()
+	for {
+		if err := r.Relist(ctx); err != nil && ctx.Err() == nil {
+			log.G(ctx).WithError(err).Warn("relist failed")
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-ticker.C():
+		}
+	}
+}
+
+// podWork is one pod whose record may change in this relist.
+type podWork struct {
+	id     string
+	pod    *Pod // nil: the pod is gone
+	events []Event
+}
+
+// Relist lists once and emits what changed since the last listing. A list
+// error changes nothing and is returned; inspect and sink errors are joined
+// into the returned error, and their pods are tried again next relist.
+func (r *Relister) Relist(ctx context.Context) error {
+	r.relisting.Lock()
+	defer r.relisting.Unlock()
+	started := r.clock.Now()
+	pods, err := r.list(ctx)
+	if err != nil {
+		return fmt.Errorf("relist: list: %w", err)
+	}
+	r.healthMu.Lock()
+	r.lastListed = started
+	r.healthMu.Unlock()
+
+	r.generation++
+	var work []podWork
+	for i := range pods {
+		pod := &pods[i]
+		rec := r.records[pod.ID]
+		if rec == nil {
+			rec = &record{}
+			r.records[pod.ID] = rec
+		}
+		rec.seen = r.generation
+		if !rec.reinspect && sameContainers(rec.containers, pod.Containers) {
+			continue // the common case: nothing to allocate, nothing to emit
+		}
+		work = append(work, podWork{id: pod.ID, pod: pod, events: r.diff(pod.ID, rec.containers, pod.Containers)})
+	}
+	for id, rec := range r.records {
+		if rec.seen != r.generation {
+			work = append(work, podWork{id: id, events: r.diff(id, rec.containers, nil)})
+		}
+	}
+	return r.apply(ctx, work)
+}
+
+func sameContainers(a, b []Container) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// apply inspects and sinks the changed pods on the inspect workers, then
+// commits the records of those that succeeded.
+func (r *Relister) apply(ctx context.Context, work []podWork) error {
+	if len(work) == 0 {
+		return nil
+	}
+	errs := make([]error, len(work))
+	next := make(chan int)
+	var wg sync.WaitGroup
+	for range min(r.workers, len(work)) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range next {
+				errs[i] = r.applyPod(ctx, work[i])
+			}
+		}()
+	}
+	for i := range work {
+		next <- i
+	}
+	close(next)
+	wg.Wait()
+
+	for i, w := range work {
+		rec := r.records[w.id]
+		switch {
+		case errs[i] != nil:
+			rec.reinspect = true // keep the old containers: same events next relist
+		case w.pod == nil:
+			delete(r.records, w.id)
+		default:
+			rec.containers = append(rec.containers[:0], w.pod.Containers...)
+			rec.reinspect = false
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func (r *Relister) applyPod(ctx context.Context, w podWork) error {
+	if r.inspect != nil {
+		if err := r.inspect(ctx, w.id, w.pod); err != nil {
+			return fmt.Errorf("relist: inspect pod %s: %w", w.id, err)
+		}
+	}
+	for _, e := range w.events {
+		if err := r.sink(ctx, e); err != nil {
+			return fmt.Errorf("relist: pod %s: %s %s: %w", w.id, e.Type, e.ContainerID, err)
+		}
+	}
+	return nil
+}
+
+// diff lists the events that turn old into new: containers in new's order,
+// then those that vanished in old's order.
+func (r *Relister) diff(podID string, old, new []Container) []Event {
+	oldState := make(map[string]State, len(old))
+	for _, c := range old {
+		oldState[c.ID] = c.State
+	}
+	var events []Event
+	emit := func(id string, from, to State) {
+		for _, t := range r.transition(from, to) {
+			events = append(events, Event{PodID: podID, Type: t, ContainerID: id})
+		}
+	}
+	listed := make(map[string]bool, len(new))
+	for _, c := range new {
+		listed[c.ID] = true
+		from, ok := oldState[c.ID]
+		if !ok {
+			from = StateNonExistent
+		}
+		emit(c.ID, from, c.State)
+	}
+	for _, c := range old {
+		if !listed[c.ID] {
+			emit(c.ID, c.State, StateNonExistent)
+		}
+	}
+	return events
+}
+
+// transition is the design's table of events for one container.
+func (r *Relister) transition(from, to State) []EventType {
+	if from == to {
+		return nil
+	}
+	switch to {
+	case StateRunning:
+		return []EventType{ContainerStarted}
+	case StateExited:
+		return []EventType{ContainerDied}
+	case StateUnknown:
+		if r.changedEvents {
+			return []EventType{ContainerChanged}
+		}
+		return nil
+	case StateNonExistent:
+		if from == StateExited {
+			return []EventType{ContainerRemoved}
+		}
+		return []EventType{ContainerDied, ContainerRemoved}
+	}
+	return nil
+}
