@@ -162,6 +162,40 @@ func (r *Relister) Healthy() error {
 	return nil
 }
 
+// Observe records a container state learnt elsewhere (from the event
+// stream, in hybrid mode), so the next relist compares the listing with the
+// freshest state known rather than with its own last listing. Without it, a
+// change that the stream reported and a later one it lost can cancel out
+// between two listings: the relist saw exited, the stream then delivered
+// running and lost the next exit, and the listing still says exited.
+// StateNonExistent forgets the container. Observe waits for a relist in
+// progress to finish.
+func (r *Relister) Observe(podID string, c Container) {
+	r.relisting.Lock()
+	defer r.relisting.Unlock()
+	rec := r.records[podID]
+	if rec == nil {
+		if c.State == StateNonExistent {
+			return
+		}
+		rec = &record{seen: r.generation}
+		r.records[podID] = rec
+	}
+	for i := range rec.containers {
+		if rec.containers[i].ID == c.ID {
+			if c.State == StateNonExistent {
+				rec.containers = append(rec.containers[:i], rec.containers[i+1:]...)
+			} else {
+				rec.containers[i].State = c.State
+			}
+			return
+		}
+	}
+	if c.State != StateNonExistent {
+		rec.containers = append(rec.containers, c)
+	}
+}
+
 // Run relists every period until ctx ends. Errors are logged; Healthy
 // reports a relister that stopped listing.
 func (r *Relister) Run(ctx context.Context) {

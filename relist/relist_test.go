@@ -289,3 +289,32 @@ func TestRunRelistsEveryPeriod(t *testing.T) {
 	cancel()
 	<-done
 }
+
+func TestObserveMakesTheNextRelistCompareWithTheStream(t *testing.T) {
+	rt, out := &runtime{}, &sink{}
+	r := New(rt.list, out.add)
+	ctx := context.Background()
+	rt.set(pod("p1", c("a", StateExited)))
+	require.NoError(t, r.Relist(ctx))
+	out.take()
+
+	// The stream reports a restart, then loses the next exit: the runtime
+	// lists exited again, as at the last relist.
+	r.Observe("p1", c("a", StateRunning))
+	require.NoError(t, r.Relist(ctx))
+	assert.Equal(t, []Event{{"p1", ContainerDied, "a"}}, out.take())
+
+	// A container and a pod first heard of on the stream.
+	r.Observe("p1", c("b", StateRunning))
+	r.Observe("p2", c("x", StateRunning))
+	r.Observe("p3", c("gone", StateNonExistent))
+	require.NoError(t, r.Relist(ctx))
+	assert.ElementsMatch(t, []Event{
+		{"p1", ContainerDied, "b"}, {"p1", ContainerRemoved, "b"},
+		{"p2", ContainerDied, "x"}, {"p2", ContainerRemoved, "x"},
+	}, out.take())
+
+	r.Observe("p1", c("a", StateNonExistent))
+	require.NoError(t, r.Relist(ctx))
+	assert.Equal(t, []Event{{"p1", ContainerDied, "a"}}, out.take(), "a reappears as listed: exited")
+}
