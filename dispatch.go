@@ -205,9 +205,7 @@ func (m *Monitor) startCall(key string, event any) *handlerContext {
 		started:  now,
 		deadline: now.Add(m.cfg.handleTimeout),
 	}
-	if m.calls.n == 0 || !m.armed {
-		m.rearm(c.deadline)
-	}
+	m.rearm(c.deadline) // a no-op unless the scheduler would wake later
 	m.calls.add(c)
 	if m.state == stateStopped {
 		c.cancel(context.Canceled)

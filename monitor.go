@@ -358,7 +358,7 @@ func (m *Monitor) stop() {
 		if k.heapIndex >= 0 {
 			m.due.remove(k)
 		}
-		k.replayLeft = 0
+		k.replayLeft, k.replayInFlight = 0, false // an abandoned call's key is done too
 		if events := m.takeEvents(k); len(events) > 0 {
 			drops = append(drops, m.dropLocked(key, events, ErrStopped))
 		}
