@@ -14,7 +14,8 @@ type item struct {
 	event     any
 	topic     string // envelope topic and namespace, for logs; "" for Submit
 	namespace string
-	attempts  int // failed handler calls so far
+	attempts  int       // failed handler calls so far
+	failedAt  time.Time // first failure, for Metrics.Recovered; zero until then
 }
 
 // keyState is everything the monitor knows about one key. A key exists in
@@ -177,6 +178,9 @@ func (m *Monitor) handleNext(k *keyState) bool {
 	m.mu.Unlock()
 
 	err := m.invoke(call, it.event)
+	if mt := m.cfg.metrics; mt != nil {
+		m.observe(mt, call, it, err) // before taking mu again: no extra lock round-trip
+	}
 
 	m.mu.Lock()
 	if call.abandoned {
@@ -225,6 +229,15 @@ func (m *Monitor) invoke(ctx *handlerContext, event any) (err error) {
 	return m.handler.HandleEvent(ctx, event)
 }
 
+// observe reports one finished call to the metrics.
+func (m *Monitor) observe(mt Metrics, call *handlerContext, it item, err error) {
+	now := m.cfg.clock.Now()
+	mt.HandlerDone(now.Sub(call.started), err)
+	if err == nil && !it.failedAt.IsZero() {
+		mt.Recovered(now.Sub(it.failedAt))
+	}
+}
+
 // outcome is what a finished call leaves to report once mu is released.
 type outcome struct {
 	key     string
@@ -250,6 +263,9 @@ func (m *Monitor) complete(k *keyState, it item, err error) outcome {
 	} else {
 		m.stats.Failed++
 		it.attempts++
+		if it.failedAt.IsZero() && m.cfg.metrics != nil {
+			it.failedAt = m.cfg.clock.Now()
+		}
 		out.it.attempts = it.attempts
 		if reason := m.giveUp(it, err); reason != nil {
 			out.drop = &Drop{Key: k.key, Events: []any{it.event}, Reason: reason}

@@ -305,6 +305,9 @@ func (m *Monitor) refuseLocked(key string, event any, reason error) Drop {
 // emit hands a drop to the drop handler; a panicking drop handler is logged
 // rather than allowed to take a worker or the stream down.
 func (m *Monitor) emit(d Drop) {
+	if mt := m.cfg.metrics; mt != nil {
+		mt.Dropped(d.Reason, max(1, len(d.Events)))
+	}
 	defer func() {
 		if r := recover(); r != nil {
 			m.cfg.logger.WithField("key", d.Key).Errorf("drop handler panicked: %v", r)

@@ -31,6 +31,7 @@ type config struct {
 	resubMax        time.Duration
 	resync          func(ctx context.Context) error
 	logger          *log.Entry
+	metrics         Metrics
 }
 
 // Defaults. The backoff and worker defaults are containerd's CRI event
