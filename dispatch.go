@@ -211,9 +211,6 @@ func (m *Monitor) startCall(key string, event any) *handlerContext {
 	}
 	m.rearm(c.deadline) // a no-op unless the scheduler would wake later
 	m.calls.add(c)
-	if m.state == stateStopped {
-		c.cancel(context.Canceled)
-	}
 	return c
 }
 

@@ -68,7 +68,7 @@ func (m *Monitor) exitResult(key string, s ExitStatus, received bool) (code uint
 	func() {
 		defer func() {
 			if r := recover(); r != nil { // a nil status, for one
-				err = fmt.Errorf("Result panicked: %v", r)
+				err = fmt.Errorf("reading the exit status panicked: %v", r)
 			}
 		}()
 		code, at, err = s.Result()

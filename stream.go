@@ -149,12 +149,11 @@ func (m *Monitor) consume(ctx context.Context, sub *subscription) (delivered boo
 		m.progress.Broadcast()
 		m.mu.Unlock()
 	})()
-	ch := sub.ch
 	for {
 		select {
 		case <-ctx.Done():
 			return delivered, nil
-		case env, ok := <-ch:
+		case env, ok := <-sub.ch:
 			if !ok {
 				return delivered, ErrStreamClosed
 			}
