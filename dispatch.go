@@ -9,13 +9,38 @@ import (
 	"github.com/containerd/log"
 )
 
-// item is one accepted event waiting in its key's queue.
+// item is one accepted event waiting in its key's queue. It is kept to two
+// words because queues hold many of them: what only logs and metrics need
+// lives behind trail, which stays nil for an event submitted directly that
+// has not failed yet.
 type item struct {
-	event     any
-	topic     string // envelope topic and namespace, for logs; "" for Submit
-	namespace string
-	attempts  int       // failed handler calls so far
-	failedAt  time.Time // first failure, for Metrics.Recovered; zero until then
+	event any
+	trail *trail
+}
+
+// trail is where an event came from and how it has fared.
+type trail struct {
+	topic, namespace string    // the envelope's, for logs; "" for Submit
+	attempts         int       // failed handler calls so far
+	failedAt         time.Time // first failure, for Metrics.Recovered
+}
+
+func (it item) attempts() int {
+	if it.trail == nil {
+		return 0
+	}
+	return it.trail.attempts
+}
+
+// failed records one more failed call at now.
+func (it *item) failed(now time.Time) {
+	if it.trail == nil {
+		it.trail = &trail{}
+	}
+	if it.trail.attempts == 0 {
+		it.trail.failedAt = now
+	}
+	it.trail.attempts++
 }
 
 // keyState is everything the monitor knows about one key. A key exists in
@@ -122,17 +147,17 @@ func (m *Monitor) schedule(k *keyState) bool {
 }
 
 // nextReady waits for a runnable key; nil means the worker should exit.
-// mu is held.
-func (m *Monitor) nextReady() *keyState {
+// waited reports whether it had to sleep. mu is held.
+func (m *Monitor) nextReady() (k *keyState, waited bool) {
 	for {
 		if m.state == stateStopped {
-			return nil
+			return nil, waited
 		}
 		if m.ready.len() > 0 {
 			k := m.ready.pop()
 			k.ready = false
 			if !k.running && k.heapIndex < 0 && k.queue.len() > 0 {
-				return k
+				return k, waited
 			}
 			m.releaseIfIdle(k)
 			continue
@@ -140,30 +165,41 @@ func (m *Monitor) nextReady() *keyState {
 		m.idleWorkers++
 		m.workAvailable.Wait()
 		m.idleWorkers--
+		waited = true
 	}
 }
 
+// worker runs ready keys until Stop. It reads the clock once per call: the
+// reading taken when a call returns also starts the next call, unless the
+// worker slept in between. The next call's deadline is then early by the
+// bookkeeping between the two (stricter, never later than asked).
 func (m *Monitor) worker() {
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	var now time.Time
 	for {
-		k := m.nextReady()
+		k, waited := m.nextReady()
 		if k == nil {
 			m.busy--
 			m.signalProgress()
 			return
 		}
-		if !m.handleNext(k) {
+		if waited || now.IsZero() {
+			now = m.cfg.clock.Now()
+		}
+		var ok bool
+		if now, ok = m.handleNext(k, now); !ok {
 			return // Stop abandoned this goroutine's call; it no longer counts
 		}
 	}
 }
 
-// handleNext runs the head of k's queue on the calling goroutine and settles
-// the outcome. mu is held on entry and on return; it is released around the
-// handler call and any logging or drop callbacks. It returns false if Stop
+// handleNext runs the head of k's queue on the calling goroutine, started at
+// now, and settles the outcome. mu is held on entry and on return; it is
+// released around the handler call and any logging or drop callbacks. It
+// returns the clock's reading when the handler returned, and false if Stop
 // abandoned the call while it ran.
-func (m *Monitor) handleNext(k *keyState) bool {
+func (m *Monitor) handleNext(k *keyState, now time.Time) (time.Time, bool) {
 	wasReplay := k.replayLeft > 0
 	it := k.queue.pop()
 	m.queued--
@@ -174,34 +210,35 @@ func (m *Monitor) handleNext(k *keyState) bool {
 	m.recount(k)
 	m.signalProgress() // stream intake may be waiting for the room this frees
 	k.running = true
-	call := m.startCall(k.key, it.event)
+	call := m.startCall(k.key, it.event, now)
 	m.mu.Unlock()
 
 	err := m.invoke(call, it.event)
+	end := m.cfg.clock.Now()
 	if mt := m.cfg.metrics; mt != nil {
-		m.observe(mt, call, it, err) // before taking mu again: no extra lock round-trip
+		m.observe(mt, end.Sub(call.started), it, err, end) // before taking mu again
 	}
 
 	m.mu.Lock()
 	if call.abandoned {
-		return false // already unlinked and accounted for by abandon
+		return end, false // already unlinked and accounted for by abandon
 	}
 	m.calls.remove(call)
-	out := m.complete(k, it, err)
+	out := m.complete(k, it, err, end)
 	if call.expired {
-		out.overran = m.cfg.clock.Since(call.started)
+		out.overran = end.Sub(call.started)
 	}
 	if out.needsReport() {
 		m.mu.Unlock()
 		m.report(out)
 		m.mu.Lock()
 	}
-	return true
+	return end, true
 }
 
-// startCall registers a call in flight and returns its context. mu is held.
-func (m *Monitor) startCall(key string, event any) *handlerContext {
-	now := m.cfg.clock.Now()
+// startCall registers a call starting at now and returns its context. mu is
+// held.
+func (m *Monitor) startCall(key string, event any, now time.Time) *handlerContext {
 	c := &handlerContext{
 		Context:  m.base,
 		key:      key,
@@ -227,31 +264,33 @@ func (m *Monitor) invoke(ctx *handlerContext, event any) (err error) {
 }
 
 // observe reports one finished call to the metrics.
-func (m *Monitor) observe(mt Metrics, call *handlerContext, it item, err error) {
-	now := m.cfg.clock.Now()
-	mt.HandlerDone(now.Sub(call.started), err)
-	if err == nil && !it.failedAt.IsZero() {
-		mt.Recovered(now.Sub(it.failedAt))
+func (m *Monitor) observe(mt Metrics, took time.Duration, it item, err error, now time.Time) {
+	mt.HandlerDone(took, err)
+	if err == nil && it.trail != nil && it.trail.attempts > 0 {
+		mt.Recovered(now.Sub(it.trail.failedAt))
 	}
 }
 
-// outcome is what a finished call leaves to report once mu is released.
+// outcome is what a finished call leaves to report once mu is released. It
+// copies what it needs of the event's trail: once mu is released the event
+// may already be running again.
 type outcome struct {
-	key     string
-	it      item
-	err     error         // the handler's error, nil on success
-	delay   time.Duration // the backoff the failed event now waits
-	drop    *Drop         // set when the monitor gave up on the event
-	overran time.Duration // how long a call that passed its deadline ran
+	key              string
+	topic, namespace string
+	attempts         int
+	err              error         // the handler's error, nil on success
+	delay            time.Duration // the backoff the failed event now waits
+	drop             *Drop         // set when the monitor gave up on the event
+	overran          time.Duration // how long a call that passed its deadline ran
 }
 
 func (o *outcome) needsReport() bool { return o.err != nil || o.overran > 0 }
 
-// complete settles a finished call: on success the replay advances; on
-// failure the event returns to the head of the queue and the key waits, or
-// the monitor gives up on it. mu is held.
-func (m *Monitor) complete(k *keyState, it item, err error) outcome {
-	out := outcome{key: k.key, it: it, err: err}
+// complete settles a call that returned at now: on success the replay
+// advances; on failure the event returns to the head of the queue and the
+// key waits, or the monitor gives up on it. mu is held.
+func (m *Monitor) complete(k *keyState, it item, err error, now time.Time) outcome {
+	out := outcome{key: k.key, err: err}
 	k.running = false
 	wasReplay := k.replayInFlight
 	k.replayInFlight = false
@@ -259,11 +298,8 @@ func (m *Monitor) complete(k *keyState, it item, err error) outcome {
 		m.stats.Handled++
 	} else {
 		m.stats.Failed++
-		it.attempts++
-		if it.failedAt.IsZero() && m.cfg.metrics != nil {
-			it.failedAt = m.cfg.clock.Now()
-		}
-		out.it.attempts = it.attempts
+		it.failed(now)
+		out.topic, out.namespace, out.attempts = it.trail.topic, it.trail.namespace, it.trail.attempts
 		if reason := m.giveUp(it, err); reason != nil {
 			out.drop = &Drop{Key: k.key, Events: []any{it.event}, Reason: reason}
 			m.stats.Dropped++
@@ -285,8 +321,8 @@ func (m *Monitor) giveUp(it item, err error) error {
 	if m.state != stateRunning {
 		return fmt.Errorf("%w: failed while shutting down: %w", ErrStopped, err)
 	}
-	if max := m.cfg.maxAttempts; max > 0 && it.attempts >= max {
-		return fmt.Errorf("%w (%d): %w", ErrMaxAttempts, it.attempts, err)
+	if max := m.cfg.maxAttempts; max > 0 && it.attempts() >= max {
+		return fmt.Errorf("%w (%d): %w", ErrMaxAttempts, it.attempts(), err)
 	}
 	return nil
 }
@@ -315,9 +351,9 @@ func (m *Monitor) requeue(k *keyState, it item, wasReplay bool) {
 // Failures log once per handler call: a key in backoff makes at most one
 // call per delay, so a failing key cannot flood the log.
 func (m *Monitor) report(out outcome) {
-	fields := log.Fields{"key": out.key, "attempt": out.it.attempts}
-	if out.it.topic != "" {
-		fields["topic"], fields["namespace"] = out.it.topic, out.it.namespace
+	fields := log.Fields{"key": out.key, "attempt": out.attempts}
+	if out.topic != "" {
+		fields["topic"], fields["namespace"] = out.topic, out.namespace
 	}
 	entry := m.cfg.logger.WithFields(fields)
 	if out.overran > 0 {

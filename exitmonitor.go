@@ -108,7 +108,7 @@ func (m *Monitor) handleExit(key string, build func(uint32, time.Time) any, code
 		return
 	}
 	m.busy++
-	if m.handleNext(k) {
+	if _, ok := m.handleNext(k, m.cfg.clock.Now()); ok {
 		m.busy--
 		m.signalProgress()
 	}

@@ -239,7 +239,7 @@ func (m *Monitor) Pending() []Pending {
 			p.Events = append(p.Events, it.event)
 		}
 		if k.queue.len() > 0 {
-			p.Attempts = k.queue.peek().attempts
+			p.Attempts = k.queue.peek().attempts()
 		}
 		out = append(out, p)
 	}

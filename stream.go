@@ -189,7 +189,7 @@ func (m *Monitor) intakeEnvelope(ctx context.Context, env *Envelope) {
 	}
 	m.mu.Lock()
 	if err == nil {
-		it := item{event: event, topic: env.Topic, namespace: env.Namespace}
+		it := item{event: event, trail: &trail{topic: env.Topic, namespace: env.Namespace}}
 		for m.state == stateRunning && ctx.Err() == nil && m.queued-m.eventsInBackoff >= m.cfg.intakeLimit {
 			m.waitProgress()
 		}
