@@ -23,6 +23,7 @@ type trail struct {
 	topic, namespace string    // the envelope's, for logs; "" for Submit
 	attempts         int       // failed handler calls so far
 	failedAt         time.Time // first failure, for Metrics.Recovered
+	lastErr          error     // the latest failure, for the retry's log line
 }
 
 func (it item) attempts() int {
@@ -32,8 +33,8 @@ func (it item) attempts() int {
 	return it.trail.attempts
 }
 
-// failed records one more failed call at now.
-func (it *item) failed(now time.Time) {
+// failed records one more failed call, returning err at now.
+func (it *item) failed(now time.Time, err error) {
 	if it.trail == nil {
 		it.trail = &trail{}
 	}
@@ -41,6 +42,7 @@ func (it *item) failed(now time.Time) {
 		it.trail.failedAt = now
 	}
 	it.trail.attempts++
+	it.trail.lastErr = err
 }
 
 // keyState is everything the monitor knows about one key. A key exists in
@@ -298,7 +300,7 @@ func (m *Monitor) complete(k *keyState, it item, err error, now time.Time) outco
 		m.stats.Handled++
 	} else {
 		m.stats.Failed++
-		it.failed(now)
+		it.failed(now, err)
 		out.topic, out.namespace, out.attempts = it.trail.topic, it.trail.namespace, it.trail.attempts
 		if reason := m.giveUp(it, err); reason != nil {
 			out.drop = &Drop{Key: k.key, Events: []any{it.event}, Reason: reason}

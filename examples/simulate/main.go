@@ -10,14 +10,19 @@ import (
 	"flag"
 	"fmt"
 	"math/rand/v2"
+	"net"
+	"net/http"
 	"os"
 	"sync"
 	"time"
 
 	"github.com/containerd/log"
 	"github.com/containerd/typeurl/v2"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/eventmonitor/eventmonitor"
+	emprom "github.com/eventmonitor/eventmonitor/prometheus"
 )
 
 // The runtime's event types, registered with typeurl like containerd's.
@@ -51,6 +56,7 @@ type options struct {
 	containers int
 	backoff    time.Duration
 	settle     time.Duration
+	metrics    string
 }
 
 func main() {
@@ -62,6 +68,7 @@ func main() {
 	flag.IntVar(&o.containers, "containers", 200, "containers in the simulated runtime")
 	flag.DurationVar(&o.backoff, "backoff", 50*time.Millisecond, "initial backoff (doubles up to 20x)")
 	flag.DurationVar(&o.settle, "settle", 3*time.Second, "how long retries may run after the runtime stops, before Shutdown")
+	flag.StringVar(&o.metrics, "metrics-addr", "", "serve Prometheus metrics on this address (e.g. localhost:9090) at /metrics")
 	flag.Parse()
 	if err := run(o); err != nil {
 		fmt.Fprintln(os.Stderr, "simulate:", err)
@@ -128,7 +135,9 @@ func run(o options) error {
 	h := &handler{fail: o.fail, lastSeq: map[string]int{}}
 	var dropMu sync.Mutex
 	dropped := map[string]int{}
+	collector := emprom.New()
 	m, err := eventmonitor.New(h,
+		eventmonitor.WithMetrics(collector),
 		eventmonitor.WithNamespace("k8s.io"),
 		eventmonitor.WithConverter(eventmonitor.NewConverter(
 			eventmonitor.KeyOf(func(e *ContainerStarted) string { return e.ID }),
@@ -140,11 +149,19 @@ func run(o options) error {
 		eventmonitor.WithDropHandler(func(d eventmonitor.Drop) {
 			dropMu.Lock()
 			defer dropMu.Unlock()
-			dropped[reason(d.Reason)] += max(1, len(d.Events))
+			dropped[emprom.Reason(d.Reason)] += max(1, len(d.Events))
 		}),
 	)
 	if err != nil {
 		return err
+	}
+	collector.Watch(m)
+	if o.metrics != "" {
+		stopServing, err := serveMetrics(o.metrics, collector)
+		if err != nil {
+			return err
+		}
+		defer stopServing()
 	}
 	rt := &runtime{events: make(chan *eventmonitor.Envelope), seq: map[string]int{}}
 	ctx, stopRun := context.WithCancel(context.Background())
@@ -237,14 +254,21 @@ func summary(at time.Duration, s eventmonitor.Stats) {
 		at.Seconds(), s.Received, s.Handled, s.Failed, s.Retried, s.KeysInBackoff, s.EventsInBackoff, s.Queued)
 }
 
-func reason(err error) string {
-	for _, r := range []error{eventmonitor.ErrStopped, eventmonitor.ErrMaxAttempts, eventmonitor.ErrQueueFull,
-		eventmonitor.ErrUnsupportedEvent, eventmonitor.ErrDecode, eventmonitor.ErrInvalidEvent} {
-		if errors.Is(err, r) {
-			return r.Error()
-		}
+// serveMetrics serves the collector at /metrics on addr until the returned
+// function is called.
+func serveMetrics(addr string, c *emprom.Collector) (stop func(), err error) {
+	registry := prometheus.NewRegistry()
+	registry.MustRegister(c)
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(registry, promhttp.HandlerOpts{}))
+	listener, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("metrics: %w", err)
 	}
-	return err.Error()
+	server := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go server.Serve(listener) //nolint:errcheck // ErrServerClosed once stop runs
+	fmt.Printf("serving metrics at http://%s/metrics\n", listener.Addr())
+	return func() { server.Close() }, nil
 }
 
 // account checks that every event produced is handled, filtered or dropped,

@@ -1,0 +1,93 @@
+package eventmonitor
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/sirupsen/logrus"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+)
+
+// entries returns the log entries with message msg.
+func (h *harness) entries(msg string) []logrus.Entry {
+	var out []logrus.Entry
+	for _, e := range h.logs.AllEntries() {
+		if e.Message == msg {
+			out = append(out, *e)
+		}
+	}
+	return out
+}
+
+const (
+	failedLine = "event handling failed; backing off"
+	retryLine  = "retrying backed-off events"
+	giveUpLine = "giving up on event"
+)
+
+// TestFailureRetryAndGiveUpLogs follows one key from the stream through two
+// failures and a give-up: each logs one line with the key, the envelope's
+// topic and namespace, the attempt, the delay and the error.
+func TestFailureRetryAndGiveUpLogs(t *testing.T) {
+	failure := errors.New("shim not answering")
+	h := newHarness(t, HandlerFunc(func(context.Context, any) error { return failure }),
+		WithConverter(testConverter), WithBackoff(time.Second, time.Minute), WithMaxAttempts(2))
+	stream := newFakeStream()
+	h.m.Subscribe(stream)
+	h.m.Start()
+	sub := <-stream.newSub
+	sub.send(t, &Envelope{Namespace: "k8s.io", Topic: "/tasks/exit", Event: payload(t, wrapperspb.String("c1"))})
+
+	waitFor(t, func() bool { return len(h.entries(failedLine)) == 1 }, "first failure logged")
+	failed := h.entries(failedLine)[0]
+	assert.Equal(t, logrus.WarnLevel, failed.Level)
+	assert.Equal(t, "c1", failed.Data["key"])
+	assert.Equal(t, "/tasks/exit", failed.Data["topic"])
+	assert.Equal(t, "k8s.io", failed.Data["namespace"])
+	assert.Equal(t, 1, failed.Data["attempt"])
+	assert.Equal(t, time.Second, failed.Data["delay"])
+	assert.Equal(t, failure, failed.Data[logrus.ErrorKey])
+
+	h.clock.Step(time.Second)
+	waitFor(t, func() bool { return len(h.entries(giveUpLine)) == 1 }, "give-up logged")
+	retries := h.entries(retryLine)
+	require.Len(t, retries, 1)
+	assert.Equal(t, "c1", retries[0].Data["key"])
+	assert.Equal(t, "/tasks/exit", retries[0].Data["topic"])
+	assert.Equal(t, "k8s.io", retries[0].Data["namespace"])
+	assert.Equal(t, 2, retries[0].Data["attempt"])
+	assert.Equal(t, time.Second, retries[0].Data["delay"])
+	assert.Equal(t, failure, retries[0].Data[logrus.ErrorKey], "the retry says what it retries")
+
+	gaveUp := h.entries(giveUpLine)[0]
+	assert.Equal(t, "c1", gaveUp.Data["key"])
+	assert.Equal(t, 2, gaveUp.Data["attempt"])
+	assert.ErrorIs(t, gaveUp.Data[logrus.ErrorKey].(error), failure)
+	assert.Len(t, h.entries(failedLine), 1, "a give-up is not also logged as a failure")
+}
+
+// TestFailingKeyDoesNotFloodTheLog puts 1,000 events on one key whose
+// handler always fails. The log grows by one failure and one retry line per
+// backoff delay, not per event.
+func TestFailingKeyDoesNotFloodTheLog(t *testing.T) {
+	r := newRecorder()
+	r.onCall = func(context.Context, any) error { return errors.New("down") }
+	h := newHarness(t, r, WithBackoff(time.Second, time.Minute))
+	for i := range 1000 {
+		h.submit(t, ev{"flood", i})
+	}
+	waitFor(t, func() bool { return h.m.Stats().EventsInBackoff == 1000 }, "all events wait behind the first")
+	for step := 1; step <= 5; step++ {
+		h.clock.Step(h.pending("flood").Due.Sub(h.clock.Now()))
+		waitFor(t, func() bool { return len(h.entries(failedLine)) == step+1 }, "failure %d logged", step+1)
+		h.settled(t)
+	}
+	assert.Equal(t, 6, r.callCount(), "one call per delay")
+	assert.Len(t, h.entries(failedLine), 6)
+	assert.Len(t, h.entries(retryLine), 5)
+	assert.Equal(t, 1000, h.entries(retryLine)[4].Data["events"])
+}
