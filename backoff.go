@@ -64,24 +64,17 @@ func (m *Monitor) wait(k *keyState) {
 }
 
 // startReplay takes k out of the heap: the events it holds now are the
-// replay, handled in order until one fails. It returns what to log about the
-// retry once mu is released. mu is held.
-func (m *Monitor) startReplay(k *keyState) retry {
+// replay, handled in order until one fails. mu is held.
+func (m *Monitor) startReplay(k *keyState) {
 	m.due.remove(k)
 	k.replayLeft = k.queue.len()
+	k.replayStarting = true
 	m.stats.Retried++
-	r := retry{key: k.key, events: k.replayLeft, delay: k.delay}
-	if k.queue.len() > 0 {
-		if t := k.queue.peek().trail; t != nil {
-			r.trail = *t
-		}
-	}
 	m.recount(k)
 	m.schedule(k)
-	return r
 }
 
-// retry is a replay that started, as the log tells it.
+// retry is a replay about to start, as its log line tells it.
 type retry struct {
 	key    string
 	events int
@@ -89,20 +82,20 @@ type retry struct {
 	trail  trail // the first event's, copied under mu
 }
 
-// logRetries logs one line per replay started. A key replays at most once
-// per backoff delay, so a key that keeps failing cannot flood the log.
-func (m *Monitor) logRetries(retries []retry) {
-	for _, r := range retries {
-		fields := log.Fields{"key": r.key, "attempt": r.trail.attempts + 1, "events": r.events, "delay": r.delay}
-		if r.trail.topic != "" {
-			fields["topic"], fields["namespace"] = r.trail.topic, r.trail.namespace
-		}
-		entry := m.cfg.logger.WithFields(fields)
-		if r.trail.lastErr != nil {
-			entry = entry.WithError(r.trail.lastErr)
-		}
-		entry.Info("retrying backed-off events")
+// logRetry logs the start of a replay, from the worker that runs it, just
+// before its first call: the line comes before that call's outcome. A key
+// replays at most once per backoff delay, so a key that keeps failing
+// cannot flood the log.
+func (m *Monitor) logRetry(r retry) {
+	fields := log.Fields{"key": r.key, "attempt": r.trail.attempts + 1, "events": r.events, "delay": r.delay}
+	if r.trail.topic != "" {
+		fields["topic"], fields["namespace"] = r.trail.topic, r.trail.namespace
 	}
+	entry := m.cfg.logger.WithFields(fields)
+	if r.trail.lastErr != nil {
+		entry = entry.WithError(r.trail.lastErr)
+	}
+	entry.Info("retrying backed-off events")
 }
 
 // rearm makes the scheduler wake by t if it would wake later. mu is held.
@@ -137,9 +130,8 @@ func (m *Monitor) scheduler() {
 	for {
 		m.mu.Lock()
 		now := m.cfg.clock.Now()
-		var retries []retry
 		for len(m.due) > 0 && !m.due[0].due.After(now) {
-			retries = append(retries, m.startReplay(m.due[0]))
+			m.startReplay(m.due[0])
 		}
 		overruns := m.expireCalls(now)
 		m.armed = false
@@ -152,7 +144,6 @@ func (m *Monitor) scheduler() {
 		armed, wakeAt := m.armed, m.wakeAt
 		m.mu.Unlock()
 
-		m.logRetries(retries)
 		m.reportOverruns(overruns, now)
 		// Drain before Reset: a FakeClock timer's channel holds one value and
 		// its Step blocks on a second.

@@ -65,6 +65,7 @@ type keyState struct {
 	// a handler call. When both are done the key leaves backoff.
 	replayLeft     int
 	replayInFlight bool
+	replayStarting bool // the replay's first call is yet to start
 
 	// countedEvents is what this key adds to Monitor.eventsInBackoff, and
 	// countedInBackoff whether it adds to keysInBackoff; recount keeps them.
@@ -108,7 +109,7 @@ func (m *Monitor) releaseIfIdle(k *keyState) {
 	}
 	delete(m.keys, k.key)
 	if len(m.spare) < maxSpareKeys {
-		k.key, k.due, k.delay = "", time.Time{}, 0
+		k.key, k.due, k.delay, k.replayStarting = "", time.Time{}, 0, false
 		m.spare = append(m.spare, k)
 	}
 }
@@ -203,6 +204,14 @@ func (m *Monitor) worker() {
 // abandoned the call while it ran.
 func (m *Monitor) handleNext(k *keyState, now time.Time) (time.Time, bool) {
 	wasReplay := k.replayLeft > 0
+	var starting *retry
+	if k.replayStarting && wasReplay {
+		k.replayStarting = false
+		starting = &retry{key: k.key, events: k.replayLeft, delay: k.delay}
+		if t := k.queue.peek().trail; t != nil {
+			starting.trail = *t
+		}
+	}
 	it := k.queue.pop()
 	m.queued--
 	if wasReplay {
@@ -214,6 +223,10 @@ func (m *Monitor) handleNext(k *keyState, now time.Time) (time.Time, bool) {
 	k.running = true
 	call := m.startCall(k.key, it.event, now)
 	m.mu.Unlock()
+
+	if starting != nil {
+		m.logRetry(*starting)
+	}
 
 	err := m.invoke(call, it.event)
 	end := m.cfg.clock.Now()

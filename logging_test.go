@@ -68,6 +68,13 @@ func TestFailureRetryAndGiveUpLogs(t *testing.T) {
 	assert.Equal(t, 2, gaveUp.Data["attempt"])
 	assert.ErrorIs(t, gaveUp.Data[logrus.ErrorKey].(error), failure)
 	assert.Len(t, h.entries(failedLine), 1, "a give-up is not also logged as a failure")
+
+	var order []string
+	for _, e := range h.logs.AllEntries() {
+		order = append(order, e.Message)
+	}
+	assert.Equal(t, []string{failedLine, retryLine, giveUpLine}, order[len(order)-3:],
+		"a retry is logged before its outcome")
 }
 
 // TestFailingKeyDoesNotFloodTheLog puts 1,000 events on one key whose

@@ -196,7 +196,7 @@ func (m *Monitor) Forget(key string) []any {
 	if k.heapIndex >= 0 {
 		m.due.remove(k)
 	}
-	k.replayLeft = 0
+	k.replayLeft, k.replayStarting = 0, false
 	events := m.takeEvents(k)
 	m.stats.Forgotten += uint64(len(events))
 	m.releaseIfIdle(k)
@@ -361,7 +361,7 @@ func (m *Monitor) stop() {
 		if k.heapIndex >= 0 {
 			m.due.remove(k)
 		}
-		k.replayLeft, k.replayInFlight = 0, false // an abandoned call's key is done too
+		k.replayLeft, k.replayInFlight, k.replayStarting = 0, false, false // an abandoned call's key is done too
 		if events := m.takeEvents(k); len(events) > 0 {
 			drops = append(drops, m.dropLocked(key, events, ErrStopped))
 		}

@@ -155,6 +155,15 @@ func (m *Monitor) consume(ctx context.Context, sub *subscription) (delivered boo
 			return delivered, nil
 		case env, ok := <-sub.ch:
 			if !ok {
+				// A subscriber may send its error and close both channels
+				// at once: report the error, not just the closing.
+				select {
+				case err := <-sub.errs:
+					if err != nil {
+						return delivered, err
+					}
+				default:
+				}
 				return delivered, ErrStreamClosed
 			}
 			delivered = true

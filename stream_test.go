@@ -234,3 +234,20 @@ func TestRunReturnsErrStoppedWhenTheMonitorStops(t *testing.T) {
 }
 
 var _ typeurl.Any = (*anypb.Any)(nil)
+
+// TestStreamErrorWinsOverClosedChannel: a subscriber that sends its error
+// and closes both channels at once has its error reported, not just
+// ErrStreamClosed.
+func TestStreamErrorWinsOverClosedChannel(t *testing.T) {
+	h := newHarness(t, newRecorder(), WithConverter(testConverter))
+	for range 20 { // the select in the reader would pick either at random
+		ch, errs := make(chan *Envelope), make(chan error, 1)
+		errs <- errors.New("rpc error: code = Unavailable")
+		close(errs)
+		close(ch)
+		h.m.Subscribe(SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) {
+			return ch, errs
+		}))
+		require.EqualError(t, <-h.m.Start(), "rpc error: code = Unavailable")
+	}
+}

@@ -1,0 +1,422 @@
+package containerd_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"reflect"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/containerd/containerd/api/events"
+	eventsapi "github.com/containerd/containerd/api/services/events/v1"
+	"github.com/containerd/typeurl/v2"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/metadata"
+
+	"github.com/eventmonitor/eventmonitor"
+	"github.com/eventmonitor/eventmonitor/containerd"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// seen records what the handler handled, and fails events a test asks it to.
+type seen struct {
+	mu     sync.Mutex
+	events []any
+	fail   map[string]int // fail events with this key (container ID or name) this many times
+	calls  int
+}
+
+func (s *seen) HandleEvent(_ context.Context, event any) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.calls++
+	if key := keyOf(event); s.fail[key] > 0 {
+		s.fail[key]--
+		return fmt.Errorf("failing %T of %s on purpose", event, key)
+	}
+	s.events = append(s.events, event)
+	return nil
+}
+
+// of returns the events handled for key, in order.
+func (s *seen) of(key string) []any {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []any
+	for _, e := range s.events {
+		if keyOf(e) == key {
+			out = append(out, e)
+		}
+	}
+	return out
+}
+
+// keyOf keys an event the way the converter does, through it.
+func keyOf(event any) string {
+	payload, err := typeurl.MarshalAnyToProto(event)
+	if err != nil {
+		return ""
+	}
+	key, _, _ := containerd.Converter().Convert(payload)
+	return key
+}
+
+func types(evs []any) []string {
+	out := make([]string, len(evs))
+	for i, e := range evs {
+		out[i] = reflect.TypeOf(e).Elem().Name()
+	}
+	return out
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	require.Eventually(t, cond, 20*time.Second, 5*time.Millisecond, "waiting for %s", what)
+}
+
+// client is a test's connection to its daemon.
+type client struct {
+	t    *testing.T
+	conn *grpc.ClientConn
+}
+
+func dial(t *testing.T, d *daemon) *client {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	conn, err := containerd.Dial(ctx, d.socket)
+	require.NoError(t, err)
+	t.Cleanup(func() { conn.Close() })
+	return &client{t: t, conn: conn}
+}
+
+// publish publishes event on topic in namespace ns through the daemon.
+func (c *client) publish(ns, topic string, event any) error {
+	payload, err := typeurl.MarshalAnyToProto(event)
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	ctx = metadata.AppendToOutgoingContext(ctx, "containerd-namespace", ns)
+	_, err = eventsapi.NewEventsClient(c.conn).Publish(ctx, &eventsapi.PublishRequest{Topic: topic, Event: payload})
+	return err
+}
+
+// handshake publishes a probe every 20 ms until the handler has seen one:
+// containerd registers a subscriber only some time after Subscribe returns,
+// and events published before that are not delivered to it.
+func (c *client) handshake(ns string, h *seen) {
+	c.t.Helper()
+	probe := fmt.Sprintf("probe-%d", time.Now().UnixNano())
+	deadline := time.Now().Add(20 * time.Second)
+	for len(h.of(probe)) == 0 {
+		if time.Now().After(deadline) {
+			c.t.Fatalf("no probe reached the handler")
+		}
+		// Errors are expected while a restarted daemon comes up.
+		_ = c.publish(ns, "/eventmonitor-test/probe", &events.NamespaceUpdate{Name: probe})
+		time.Sleep(20 * time.Millisecond) // the probe's period, not a wait for an outcome
+	}
+}
+
+// run starts a monitor on the daemon's stream; cleanup shuts it down.
+func run(t *testing.T, c *client, h *seen, filters []string, opts ...eventmonitor.Option) *eventmonitor.Monitor {
+	t.Helper()
+	m, err := eventmonitor.New(h, append([]eventmonitor.Option{
+		eventmonitor.WithConverter(containerd.Converter()),
+		eventmonitor.WithWorkers(4),
+	}, opts...)...)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- m.Run(ctx, containerd.NewSubscriber(c.conn), filters...) }()
+	t.Cleanup(func() {
+		cancel()
+		assert.NoError(t, <-done)
+		m.Stop()
+	})
+	return m
+}
+
+func TestConverterKeysEveryEventType(t *testing.T) {
+	for _, tc := range []struct {
+		event any
+		key   string
+	}{
+		{&events.TaskCreate{ContainerID: "c"}, "c"},
+		{&events.TaskStart{ContainerID: "c"}, "c"},
+		{&events.TaskDelete{ContainerID: "c", ID: "exec"}, "c"},
+		{&events.TaskExit{ContainerID: "c", ID: "exec"}, "c"},
+		{&events.TaskOOM{ContainerID: "c"}, "c"},
+		{&events.TaskExecAdded{ContainerID: "c", ExecID: "e"}, "c"},
+		{&events.TaskExecStarted{ContainerID: "c", ExecID: "e"}, "c"},
+		{&events.TaskPaused{ContainerID: "c"}, "c"},
+		{&events.TaskResumed{ContainerID: "c"}, "c"},
+		{&events.TaskCheckpointed{ContainerID: "c"}, "c"},
+		{&events.ContainerCreate{ID: "c"}, "c"},
+		{&events.ContainerUpdate{ID: "c"}, "c"},
+		{&events.ContainerDelete{ID: "c"}, "c"},
+		{&events.SandboxCreate{SandboxID: "s"}, "s"},
+		{&events.SandboxStart{SandboxID: "s"}, "s"},
+		{&events.SandboxExit{SandboxID: "s"}, "s"},
+		{&events.ImageCreate{Name: "docker.io/library/busybox:latest"}, "docker.io/library/busybox:latest"},
+		{&events.ImageUpdate{Name: "i"}, "i"},
+		{&events.ImageDelete{Name: "i"}, "i"},
+		{&events.NamespaceCreate{Name: "n"}, "n"},
+		{&events.NamespaceUpdate{Name: "n"}, "n"},
+		{&events.NamespaceDelete{Name: "n"}, "n"},
+		{&events.SnapshotPrepare{Key: "k", Parent: "p"}, "k"},
+		{&events.SnapshotCommit{Key: "k", Name: "n"}, "k"},
+		{&events.SnapshotRemove{Key: "k"}, "k"},
+		{&events.ContentCreate{Digest: "sha256:abc"}, "sha256:abc"},
+		{&events.ContentDelete{Digest: "sha256:abc"}, "sha256:abc"},
+	} {
+		payload, err := typeurl.MarshalAnyToProto(tc.event)
+		require.NoError(t, err)
+		key, event, err := containerd.Converter().Convert(payload)
+		require.NoError(t, err, "%T", tc.event)
+		assert.Equal(t, tc.key, key, "%T", tc.event)
+		assert.IsType(t, tc.event, event)
+	}
+
+	payload, err := typeurl.MarshalAnyToProto(&eventsapi.PublishRequest{Topic: "/x"})
+	require.NoError(t, err)
+	_, _, err = containerd.Converter().Convert(payload)
+	assert.ErrorIs(t, err, eventmonitor.ErrUnsupportedEvent, "a message that is not an event")
+}
+
+func TestDialErrors(t *testing.T) {
+	_, err := containerd.Dial(context.Background(), "")
+	assert.ErrorContains(t, err, "empty socket address")
+
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	missing := filepath.Join(t.TempDir(), "no.sock")
+	_, err = containerd.Dial(ctx, missing)
+	assert.ErrorIs(t, err, context.DeadlineExceeded)
+	assert.ErrorContains(t, err, missing)
+}
+
+func TestTaskExitBuilder(t *testing.T) {
+	at := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	e := containerd.TaskExit("c1", "c1", 42)(137, at).(*events.TaskExit)
+	assert.Equal(t, "c1", e.ContainerID)
+	assert.Equal(t, uint32(42), e.Pid)
+	assert.Equal(t, uint32(137), e.ExitStatus)
+	assert.Equal(t, at, e.ExitedAt.AsTime())
+}
+
+// TestEventsFromDaemon publishes events into a real containerd and makes
+// others with real API calls: all reach the handler typed and in order per
+// key.
+func TestEventsFromDaemon(t *testing.T) {
+	t.Parallel()
+	d := startDaemon(t, false)
+	c := dial(t, d)
+	h := &seen{}
+	m := run(t, c, h, nil)
+	c.handshake("default", h)
+
+	require.NoError(t, c.publish(containerd.K8sNamespace, "/tasks/exit",
+		&events.TaskExit{ContainerID: "c1", ID: "c1", Pid: 7, ExitStatus: 3}))
+	require.NoError(t, c.publish(containerd.K8sNamespace, "/tasks/oom", &events.TaskOOM{ContainerID: "c1"}))
+	require.NoError(t, c.publish(containerd.K8sNamespace, "/images/delete", &events.ImageDelete{Name: "docker.io/library/busybox:1"}))
+
+	rootfs := t.TempDir()
+	d.mustCtr("namespaces", "create", "emtest-api")
+	d.mustCtr("-n", "emtest-api", "containers", "create", "--rootfs", rootfs, "api-c", "/bin/true")
+	d.mustCtr("-n", "emtest-api", "containers", "label", "api-c", "purpose=test")
+	d.mustCtr("-n", "emtest-api", "containers", "delete", "api-c")
+	d.mustCtr("namespaces", "remove", "emtest-api")
+
+	waitFor(t, "every event", func() bool {
+		return len(h.of("c1")) == 2 && len(h.of("docker.io/library/busybox:1")) == 1 &&
+			len(h.of("api-c")) == 3 && len(h.of("emtest-api")) == 2
+	})
+	exits := h.of("c1")
+	assert.Equal(t, []string{"TaskExit", "TaskOOM"}, types(exits))
+	exit := exits[0].(*events.TaskExit)
+	assert.Equal(t, uint32(3), exit.ExitStatus)
+	assert.Equal(t, uint32(7), exit.Pid)
+	assert.Equal(t, []string{"ImageDelete"}, types(h.of("docker.io/library/busybox:1")))
+	assert.Equal(t, []string{"ContainerCreate", "ContainerUpdate", "ContainerDelete"}, types(h.of("api-c")))
+	assert.Equal(t, []string{"NamespaceCreate", "NamespaceDelete"}, types(h.of("emtest-api")))
+	assert.Zero(t, m.Stats().Dropped)
+}
+
+// TestNamespaceFilters filters by namespace twice: in the daemon, with a
+// containerd filter passed through the subscriber, and in the monitor.
+func TestNamespaceFilters(t *testing.T) {
+	t.Parallel()
+	d := startDaemon(t, false)
+	c := dial(t, d)
+
+	inDaemon := &seen{}
+	run(t, c, inDaemon, []string{`namespace==k8s.io`})
+	inMonitor := &seen{}
+	m := run(t, c, inMonitor, nil, eventmonitor.WithNamespace(containerd.K8sNamespace))
+	c.handshake(containerd.K8sNamespace, inDaemon)
+	c.handshake(containerd.K8sNamespace, inMonitor)
+
+	require.NoError(t, c.publish("other", "/tasks/exit", &events.TaskExit{ContainerID: "other-c"}))
+	require.NoError(t, c.publish(containerd.K8sNamespace, "/tasks/exit", &events.TaskExit{ContainerID: "k8s-c"}))
+	for _, h := range []*seen{inDaemon, inMonitor} {
+		waitFor(t, "the k8s.io event", func() bool { return len(h.of("k8s-c")) == 1 })
+		assert.Empty(t, h.of("other-c"))
+	}
+	// The monitor saw the other namespace's event (published before the
+	// k8s.io one, and a stream is in order) and counted it as filtered.
+	assert.Equal(t, uint64(1), m.Stats().Filtered)
+}
+
+func TestFailingHandlerRetries(t *testing.T) {
+	t.Parallel()
+	d := startDaemon(t, false)
+	c := dial(t, d)
+	h := &seen{fail: map[string]int{"c1": 2}}
+	m := run(t, c, h, nil, eventmonitor.WithBackoff(10*time.Millisecond, 100*time.Millisecond))
+	c.handshake("default", h)
+
+	require.NoError(t, c.publish(containerd.K8sNamespace, "/tasks/start", &events.TaskStart{ContainerID: "c1", Pid: 1}))
+	require.NoError(t, c.publish(containerd.K8sNamespace, "/tasks/exit", &events.TaskExit{ContainerID: "c1", ExitStatus: 1}))
+	waitFor(t, "both events after retries", func() bool { return len(h.of("c1")) == 2 })
+	assert.Equal(t, []string{"TaskStart", "TaskExit"}, types(h.of("c1")), "order kept across retries")
+	s := m.Stats()
+	assert.Equal(t, uint64(2), s.Failed)
+	assert.Equal(t, uint64(2), s.Retried)
+	assert.Zero(t, s.KeysInBackoff)
+}
+
+// TestDaemonRestart kills containerd under a running monitor and starts it
+// again: Run re-subscribes by itself, calls the resync hook, and handles
+// what is published after the restart.
+func TestDaemonRestart(t *testing.T) {
+	t.Parallel()
+	d := startDaemon(t, false)
+	c := dial(t, d)
+	h := &seen{}
+	var mu sync.Mutex
+	resyncs := 0
+	m := run(t, c, h, nil,
+		eventmonitor.WithResubscribe(20*time.Millisecond, 200*time.Millisecond),
+		eventmonitor.WithResync(func(context.Context) error {
+			mu.Lock()
+			defer mu.Unlock()
+			resyncs++
+			return nil
+		}))
+	c.handshake("default", h)
+	require.NoError(t, c.publish(containerd.K8sNamespace, "/tasks/start", &events.TaskStart{ContainerID: "before"}))
+	waitFor(t, "the event before the restart", func() bool { return len(h.of("before")) == 1 })
+
+	d.stop()
+	waitFor(t, "a re-subscription attempt", func() bool { return m.Stats().Resubscribed > 0 })
+	d.start()
+	c.handshake("default", h) // the new subscription is live
+	mu.Lock()
+	assert.Positive(t, resyncs, "resync hook called after re-subscribing")
+	mu.Unlock()
+
+	require.NoError(t, c.publish(containerd.K8sNamespace, "/tasks/exit", &events.TaskExit{ContainerID: "after", ExitStatus: 9}))
+	waitFor(t, "the event after the restart", func() bool { return len(h.of("after")) == 1 })
+	assert.Equal(t, uint32(9), h.of("after")[0].(*events.TaskExit).ExitStatus)
+}
+
+// TestRealContainerExit runs a real container whose process exits with 42
+// and checks that its task events, the exit with its status among them,
+// reach the handler in order.
+func TestRealContainerExit(t *testing.T) {
+	t.Parallel()
+	skipUnless(t, os.Geteuid() == 0, "running containers needs root (a private mount namespace and runc)")
+	for _, tool := range []string{"unshare", "nsenter", "runc", "go"} {
+		_, err := exec.LookPath(tool)
+		skipUnless(t, err == nil, tool+" is not installed; running a container needs it")
+	}
+	d := startDaemon(t, true)
+	rootfs := filepath.Join(d.dir, "rootfs")
+	buildExitProgram(t, rootfs)
+	c := dial(t, d)
+	h := &seen{}
+	run(t, c, h, []string{`topic~="/tasks/"`, `topic=="/eventmonitor-test/probe"`})
+	c.handshake("default", h)
+
+	ns := fmt.Sprintf("emtest-%d", os.Getpid())
+	t.Cleanup(func() { removeCgroups(t, ns) })
+	out, err := d.ctr("-n", ns, "run", "--rm", "--rootfs", rootfs, "exit42", "/exit", "42")
+	var exitErr *exec.ExitError
+	require.True(t, errors.As(err, &exitErr), "ctr run: %v: %s\ndaemon log:\n%s", err, out, d.log)
+	require.Equal(t, 42, exitErr.ExitCode(), "ctr reports the container's exit code")
+
+	waitFor(t, "the task's delete", func() bool {
+		evs := h.of("exit42")
+		return len(evs) > 0 && types(evs)[len(evs)-1] == "TaskDelete"
+	})
+	evs := h.of("exit42")
+	assert.Equal(t, []string{"TaskCreate", "TaskStart", "TaskExit", "TaskDelete"}, types(evs))
+	if len(evs) == 4 {
+		exit := evs[2].(*events.TaskExit)
+		assert.Equal(t, uint32(42), exit.ExitStatus)
+		assert.Equal(t, evs[1].(*events.TaskStart).Pid, exit.Pid)
+		assert.Equal(t, uint32(42), evs[3].(*events.TaskDelete).ExitStatus)
+	}
+}
+
+// buildExitProgram builds a static program that exits with its argument.
+func buildExitProgram(t *testing.T, rootfs string) {
+	t.Helper()
+	src := filepath.Join(t.TempDir(), "exit.go")
+	require.NoError(t, os.WriteFile(src, []byte(`package main
+
+import (
+	"os"
+	"strconv"
+)
+
+func main() {
+	code, _ := strconv.Atoi(os.Args[1])
+	os.Exit(code)
+}
+`), 0o600))
+	require.NoError(t, os.MkdirAll(rootfs, 0o755))
+	cmd := exec.Command("go", "build", "-o", filepath.Join(rootfs, "exit"), src)
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOWORK=off", "GOFLAGS=")
+	out, err := cmd.CombinedOutput()
+	require.NoError(t, err, "building the container's program: %s", out)
+}
+
+// removeCgroups removes the empty cgroup directories runc left for ns.
+func removeCgroups(t *testing.T, ns string) {
+	dirs, _ := filepath.Glob(filepath.Join("/sys/fs/cgroup", "*", ns))
+	if direct := filepath.Join("/sys/fs/cgroup", ns); dirExists(direct) {
+		dirs = append(dirs, direct)
+	}
+	for _, dir := range dirs {
+		var nested []string
+		filepath.WalkDir(dir, func(path string, e os.DirEntry, err error) error {
+			if err == nil && e.IsDir() {
+				nested = append(nested, path)
+			}
+			return nil
+		})
+		for i := len(nested) - 1; i >= 0; i-- { // deepest first
+			if err := os.Remove(nested[i]); err != nil {
+				t.Logf("cgroup %s left behind: %v", nested[i], err)
+			}
+		}
+	}
+}
+
+func dirExists(path string) bool {
+	info, err := os.Stat(path)
+	return err == nil && info.IsDir()
+}
