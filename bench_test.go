@@ -2,10 +2,14 @@ package eventmonitor
 
 import (
 	"context"
+	"runtime"
 	"strconv"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/containerd/typeurl/v2"
+	"google.golang.org/protobuf/types/known/wrapperspb"
 )
 
 type noopMetrics struct{}
@@ -54,4 +58,86 @@ func BenchmarkFastPath(b *testing.B) {
 			})
 		}
 	}
+}
+
+// BenchmarkEnvelopePath streams protobuf envelopes through Run and the
+// typeurl converter to a no-op handler, beside the decoding alone.
+func BenchmarkEnvelopePath(b *testing.B) {
+	payloads := make([]*Envelope, 1000)
+	for i := range payloads {
+		payloads[i] = envelope(b, "k8s.io", wrapperspb.String("container-"+strconv.Itoa(i)))
+	}
+	b.Run("decode-only", func(b *testing.B) {
+		b.ReportAllocs()
+		for i := range b.N {
+			if _, err := typeurl.UnmarshalAny(payloads[i%len(payloads)].Event); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("monitor", func(b *testing.B) {
+		var handled atomic.Int64
+		done := make(chan struct{})
+		target := int64(b.N)
+		m, err := New(HandlerFunc(func(context.Context, any) error {
+			if handled.Add(1) == target {
+				close(done)
+			}
+			return nil
+		}), WithConverter(testConverter))
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer m.Stop()
+		ch := make(chan *Envelope, 128) // as containerd.NewSubscriber buffers
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		go m.Run(ctx, SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) { return ch, nil }))
+		b.ReportAllocs()
+		b.ResetTimer()
+		for i := range b.N {
+			ch <- payloads[i%len(payloads)]
+		}
+		<-done
+	})
+}
+
+// BenchmarkBackoffAtScale holds 1,000 to 100,000 keys in backoff and times
+// putting one more key in and taking it out: O(log n) each. It also reports
+// the heap each waiting key costs.
+func BenchmarkBackoffAtScale(b *testing.B) {
+	for _, n := range []int{1_000, 10_000, 100_000} {
+		b.Run("keys="+strconv.Itoa(n), func(b *testing.B) {
+			m, err := New(HandlerFunc(func(context.Context, any) error { return nil }),
+				WithBackoff(time.Hour, 2*time.Hour), WithDropHandler(func(Drop) {}))
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer m.Stop()
+			keys := make([]string, n)
+			for i := range keys {
+				keys[i] = "container-" + strconv.Itoa(i)
+			}
+			event := any(struct{}{})
+			before := heapInUse()
+			for _, k := range keys {
+				m.Backoff(k, event)
+			}
+			perKey := float64(heapInUse()-before) / float64(n)
+			b.ReportAllocs()
+			b.ResetTimer()
+			for range b.N {
+				m.Backoff("one-more", event)
+				m.Forget("one-more")
+			}
+			b.ReportMetric(perKey, "bytes/key") // after the loop: ResetTimer clears reported metrics
+		})
+	}
+}
+
+func heapInUse() int64 {
+	runtime.GC()
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	return int64(ms.HeapAlloc)
 }

@@ -179,13 +179,15 @@ func (m *Monitor) consume(ctx context.Context, sub *subscription) (delivered boo
 	}
 }
 
+var errNilEnvelope = fmt.Errorf("%w: nil envelope", ErrInvalidEvent)
+
 // intakeEnvelope filters, converts and accepts one envelope, waiting while
 // the intake limit is reached. What cannot be accepted goes to the drop
 // handler with the reason.
 func (m *Monitor) intakeEnvelope(ctx context.Context, env *Envelope) {
 	var key string
 	var event any
-	err := fmt.Errorf("%w: nil envelope", ErrInvalidEvent)
+	err := errNilEnvelope
 	if env != nil {
 		if m.cfg.namespace != "" && env.Namespace != m.cfg.namespace {
 			m.mu.Lock()

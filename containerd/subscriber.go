@@ -56,12 +56,18 @@ func NewSubscriber(conn grpc.ClientConnInterface) eventmonitor.Subscriber {
 	return &subscriber{client: eventsapi.NewEventsClient(conn)}
 }
 
+// streamBuffer is how many envelopes a subscription holds between the gRPC
+// reader and the monitor.
+const streamBuffer = 128
+
 type subscriber struct {
 	client eventsapi.EventsClient
 }
 
 func (s *subscriber) Subscribe(ctx context.Context, filters ...string) (<-chan *eventmonitor.Envelope, <-chan error) {
-	ch := make(chan *eventmonitor.Envelope)
+	// A little buffer lets the reader hand over a burst without a goroutine
+	// switch per event; the monitor's intake limit still bounds the rest.
+	ch := make(chan *eventmonitor.Envelope, streamBuffer)
 	errs := make(chan error, 1)
 	go func() {
 		defer close(ch)

@@ -1,0 +1,204 @@
+// Command bench runs eventmonitor, client-go's workqueue (with a per-key
+// event FIFO beside it) and containerd's CRI serial event loop through the
+// same scenarios in one process, and prints one table of figures and ratios.
+//
+//	go run ./bench                 # every scenario, about two minutes
+//	go run ./bench -only fast,envelope
+//
+// It is a module of its own so that the library never depends on client-go.
+package main
+
+import (
+	"flag"
+	"fmt"
+	"math"
+	"os"
+	"runtime"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/containerd/log"
+)
+
+type row struct {
+	scenario, measure string
+	values            [3]string // eventmonitor, workqueue, serial loop
+	ratio             string
+}
+
+func main() {
+	events := flag.Int("events", 1_000_000, "fast path: events per run")
+	keyCount := flag.Int("keys", 1000, "keys the fast path, head-of-line and envelope events spread over")
+	holFor := flag.Duration("hol", 3*time.Second, "head-of-line: how long each run paces events")
+	idle := flag.Duration("idle", 5*time.Second, "backoff at scale: idle period measured")
+	sizes := flag.String("sizes", "1000,10000,100000", "backoff at scale: keys in backoff")
+	only := flag.String("only", "", "comma-separated scenarios to run: fast, hol, backoff, retry, envelope")
+	flag.Parse()
+	log.L.Logger.SetLevel(log.ErrorLevel) // the failing handlers are on purpose
+
+	want := func(s string) bool { return *only == "" || strings.Contains(","+*only+",", ","+s+",") }
+	keys := keyNames(*keyCount)
+	var rows []row
+	if want("fast") {
+		rows = append(rows, fastRows(keys, *events)...)
+	}
+	if want("hol") {
+		rows = append(rows, holRows(keys, *holFor)...)
+	}
+	if want("backoff") {
+		rows = append(rows, backoffRows(*sizes, *idle)...)
+	}
+	if want("retry") {
+		rows = append(rows, retryRows()...)
+	}
+	if want("envelope") {
+		rows = append(rows, envelopeRows(keys, *events/5)...)
+	}
+
+	fmt.Printf("%s, %d CPUs, %s/%s\n\n", runtime.Version(), runtime.NumCPU(), runtime.GOOS, runtime.GOARCH)
+	w := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(w, "scenario\tmeasure\teventmonitor\tworkqueue\tserial loop\teventmonitor's advantage")
+	for _, r := range rows {
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\n", r.scenario, r.measure, r.values[0], r.values[1], r.values[2], r.ratio)
+	}
+	w.Flush()
+	fmt.Println("\nadvantage: how many times better eventmonitor's figure is (higher throughput, or lower time)")
+}
+
+// advantage formats ours against workqueue's and the serial loop's.
+func advantage(ours, wq, serial float64, higherIsBetter bool) string {
+	times := func(theirs float64) string {
+		if ours == 0 || theirs == 0 || math.IsNaN(theirs) {
+			return "—"
+		}
+		if higherIsBetter {
+			return fmt.Sprintf("%.2f×", ours/theirs)
+		}
+		return fmt.Sprintf("%.2f×", theirs/ours)
+	}
+	return fmt.Sprintf("%s vs workqueue, %s vs serial", times(wq), times(serial))
+}
+
+func fastRows(keys []string, n int) []row {
+	var rows []row
+	for _, workers := range []int{1, 4} {
+		var rates, allocs [3]float64
+		for i, c := range contenders {
+			rates[i], allocs[i] = fastPath(c.new, workers, n, keys)
+		}
+		scenario := fmt.Sprintf("1. fast path, %d worker(s)", workers)
+		rows = append(rows,
+			row{scenario, "events/s", fmtEach(rates, func(v float64) string { return fmt.Sprintf("%.2fM", v/1e6) }),
+				advantage(rates[0], rates[1], rates[2], true)},
+			row{scenario, "allocs/event", fmtEach(allocs, func(v float64) string { return fmt.Sprintf("%.2f", v) }), ""})
+	}
+	rows[0].values[2] += " (1 goroutine)"
+	rows[2].values[2] += " (1 goroutine)"
+	rows[3].values[2] = "—" // the same single goroutine as above
+	return rows
+}
+
+func holRows(keys []string, d time.Duration) []row {
+	var rows []row
+	for _, slow := range []bool{false, true} {
+		var p50, p99 [3]float64
+		for i, c := range contenders {
+			a, b := headOfLine(c.new, 4, 20_000, keys, d, slow)
+			p50[i], p99[i] = a.Seconds(), b.Seconds()
+		}
+		scenario := "2. head-of-line, 20k ev/s, 4 workers"
+		if slow {
+			scenario += ", slow key"
+		} else {
+			scenario += ", no slow key"
+		}
+		rows = append(rows,
+			row{scenario, "fast p50", fmtEach(p50, fmtSeconds), advantage(p50[0], p50[1], p50[2], false)},
+			row{scenario, "fast p99", fmtEach(p99, fmtSeconds), advantage(p99[0], p99[1], p99[2], false)})
+	}
+	return rows
+}
+
+func backoffRows(sizes string, idle time.Duration) []row {
+	var rows []row
+	floor := idleCPU(idle)
+	for _, field := range strings.Split(sizes, ",") {
+		var n int
+		if _, err := fmt.Sscan(field, &n); err != nil || n <= 0 {
+			fmt.Fprintf(os.Stderr, "bench: bad -sizes entry %q\n", field)
+			os.Exit(2)
+		}
+		keys := keyNames(n)
+		var cpu, bytes, put, take [3]float64
+		for i, c := range contenders {
+			c1, b, p, t := backoffAtScale(c.new, keys, idle)
+			cpu[i], bytes[i], put[i], take[i] = c1.Seconds(), b, p.Seconds(), t.Seconds()
+		}
+		scenario := fmt.Sprintf("3. backoff, %d keys", n)
+		take[1] = math.NaN() // workqueue cannot take a key out of its delaying heap
+		rows = append(rows,
+			row{scenario, fmt.Sprintf("CPU over %v idle", idle), fmtEach(cpu, fmtSeconds),
+				fmt.Sprintf("process floor %s", fmtSeconds(floor.Seconds()))},
+			row{scenario, "heap bytes/key", fmtEach(bytes, func(v float64) string { return fmt.Sprintf("%.0f", v) }),
+				advantage(bytes[0], bytes[1], bytes[2], false)},
+			row{scenario, "put a key in", fmtEach(put, fmtSeconds), advantage(put[0], put[1], put[2], false)},
+			row{scenario, "take a key out", fmtEach(take, fmtSeconds), "workqueue cannot remove a waiting key"})
+	}
+	return rows
+}
+
+func retryRows() []row {
+	const delay = 10 * time.Millisecond
+	keys := keyNames(500)
+	var p50, p99, worst [3]float64
+	for i, c := range contenders {
+		a, b, w := retryPrecision(c.new, keys, delay)
+		p50[i], p99[i], worst[i] = a.Seconds(), b.Seconds(), w.Seconds()
+	}
+	scenario := "4. retry lateness, 10 ms delay (serial: 10 ms tick)"
+	return []row{
+		{scenario, "p50", fmtEach(p50, fmtSeconds), advantage(p50[0], p50[1], p50[2], false)},
+		{scenario, "p99", fmtEach(p99, fmtSeconds), advantage(p99[0], p99[1], p99[2], false)},
+		{scenario, "max", fmtEach(worst, fmtSeconds), ""},
+	}
+}
+
+func envelopeRows(keys []string, n int) []row {
+	payloads := taskExitPayloads(keys)
+	floor := decodeOnly(payloads, n)
+	var rows []row
+	for _, workers := range []int{1, 4} {
+		rate := envelopePath(payloads, workers, n)
+		rows = append(rows, row{
+			fmt.Sprintf("5. envelope path (TaskExit), %d worker(s)", workers), "events/s",
+			[3]string{fmt.Sprintf("%.2fM", rate/1e6), "—", "—"},
+			fmt.Sprintf("%.2f of decoding alone (%.2fM/s)", rate/floor, floor/1e6)})
+	}
+	return rows
+}
+
+func fmtEach(v [3]float64, f func(float64) string) [3]string {
+	var out [3]string
+	for i := range v {
+		if math.IsNaN(v[i]) {
+			out[i] = "—"
+		} else {
+			out[i] = f(v[i])
+		}
+	}
+	return out
+}
+
+func fmtSeconds(s float64) string {
+	switch d := time.Duration(s * float64(time.Second)); {
+	case d >= time.Second:
+		return fmt.Sprintf("%.2fs", d.Seconds())
+	case d >= time.Millisecond:
+		return fmt.Sprintf("%.2fms", float64(d)/float64(time.Millisecond))
+	case d >= time.Microsecond:
+		return fmt.Sprintf("%.1fµs", float64(d)/float64(time.Microsecond))
+	default:
+		return fmt.Sprintf("%dns", d.Nanoseconds())
+	}
+}
