@@ -18,6 +18,25 @@ func (noopMetrics) HandlerDone(time.Duration, error) {}
 func (noopMetrics) Recovered(time.Duration)          {}
 func (noopMetrics) Dropped(error, int)               {}
 
+// newCountingMonitor returns a monitor with a no-op handler and a channel
+// closed once b.N events are handled. Cleanup stops the monitor.
+func newCountingMonitor(b *testing.B, opts ...Option) (*Monitor, <-chan struct{}) {
+	var handled atomic.Int64
+	done := make(chan struct{})
+	target := int64(b.N)
+	m, err := New(HandlerFunc(func(context.Context, any) error {
+		if handled.Add(1) == target {
+			close(done)
+		}
+		return nil
+	}), opts...)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(m.Stop)
+	return m, done
+}
+
 // BenchmarkFastPath submits events over 1,000 keys to a no-op handler and
 // waits until all are handled: the monitor's own cost per event.
 func BenchmarkFastPath(b *testing.B) {
@@ -31,19 +50,7 @@ func BenchmarkFastPath(b *testing.B) {
 			opts []Option
 		}{{"no-metrics", nil}, {"noop-metrics", []Option{WithMetrics(noopMetrics{})}}} {
 			b.Run(tc.name+"/workers="+strconv.Itoa(workers), func(b *testing.B) {
-				var handled atomic.Int64
-				done := make(chan struct{})
-				target := int64(b.N)
-				m, err := New(HandlerFunc(func(context.Context, any) error {
-					if handled.Add(1) == target {
-						close(done)
-					}
-					return nil
-				}), append([]Option{WithWorkers(workers)}, tc.opts...)...)
-				if err != nil {
-					b.Fatal(err)
-				}
-				defer m.Stop()
+				m, done := newCountingMonitor(b, append([]Option{WithWorkers(workers)}, tc.opts...)...)
 				event := any(struct{}{})
 				b.ReportAllocs()
 				b.ResetTimer()
@@ -76,19 +83,7 @@ func BenchmarkEnvelopePath(b *testing.B) {
 		}
 	})
 	b.Run("monitor", func(b *testing.B) {
-		var handled atomic.Int64
-		done := make(chan struct{})
-		target := int64(b.N)
-		m, err := New(HandlerFunc(func(context.Context, any) error {
-			if handled.Add(1) == target {
-				close(done)
-			}
-			return nil
-		}), WithConverter(testConverter))
-		if err != nil {
-			b.Fatal(err)
-		}
-		defer m.Stop()
+		m, done := newCountingMonitor(b, WithConverter(testConverter))
 		ch := make(chan *Envelope, 128) // as containerd.NewSubscriber buffers
 		ctx, cancel := context.WithCancel(context.Background())
 		defer cancel()
