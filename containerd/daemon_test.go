@@ -121,18 +121,14 @@ func (d *daemon) stop() {
 
 // ctr runs ctr against the daemon, in its mount namespace if it has one.
 func (d *daemon) ctr(args ...string) (string, error) {
-	args = append([]string{"--address", d.socket}, args...)
-	var cmd *exec.Cmd
+	name, args := "ctr", append([]string{"--address", d.socket}, args...)
 	if d.isolated && d.cmd != nil {
 		mountNS := fmt.Sprintf("--mount=/proc/%d/ns/mnt", d.cmd.Process.Pid)
-		cmd = exec.Command("nsenter", append([]string{mountNS, "ctr"}, args...)...)
-	} else {
-		cmd = exec.Command("ctr", args...)
+		name, args = "nsenter", append([]string{mountNS, "ctr"}, args...)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	cmd = exec.CommandContext(ctx, cmd.Path, cmd.Args[1:]...)
-	out, err := cmd.CombinedOutput()
+	out, err := exec.CommandContext(ctx, name, args...).CombinedOutput()
 	return strings.TrimSpace(string(out)), err
 }
 

@@ -39,9 +39,9 @@ func scrape(t *testing.T, url string) map[string]*dto.MetricFamily {
 	return families
 }
 
-// value returns the single sample of a counter or gauge family, or of the
-// series whose labels include the given name and value.
-func value(t *testing.T, families map[string]*dto.MetricFamily, name string, label ...string) float64 {
+// series returns the first series of family name whose labels include the
+// given name and value (any series when no label is given).
+func series(t *testing.T, families map[string]*dto.MetricFamily, name string, label ...string) *dto.Metric {
 	t.Helper()
 	f, ok := families[name]
 	require.True(t, ok, "metric %s not scraped", name)
@@ -49,29 +49,28 @@ func value(t *testing.T, families map[string]*dto.MetricFamily, name string, lab
 		if len(label) == 2 && !hasLabel(m, label[0], label[1]) {
 			continue
 		}
-		switch {
-		case m.Counter != nil:
-			return m.Counter.GetValue()
-		case m.Gauge != nil:
-			return m.Gauge.GetValue()
-		}
+		return m
 	}
-	t.Fatalf("no sample of %s %v", name, label)
-	return 0
+	t.Fatalf("no series of %s %v", name, label)
+	return nil
+}
+
+// value returns a counter's or gauge's sample.
+func value(t *testing.T, families map[string]*dto.MetricFamily, name string, label ...string) float64 {
+	t.Helper()
+	m := series(t, families, name, label...)
+	if m.Counter != nil {
+		return m.Counter.GetValue()
+	}
+	require.NotNil(t, m.Gauge, "%s is neither a counter nor a gauge", name)
+	return m.Gauge.GetValue()
 }
 
 func histogram(t *testing.T, families map[string]*dto.MetricFamily, name string, label ...string) *dto.Histogram {
 	t.Helper()
-	f, ok := families[name]
-	require.True(t, ok, "metric %s not scraped", name)
-	for _, m := range f.GetMetric() {
-		if len(label) == 2 && !hasLabel(m, label[0], label[1]) {
-			continue
-		}
-		return m.GetHistogram()
-	}
-	t.Fatalf("no histogram %s %v", name, label)
-	return nil
+	h := series(t, families, name, label...).GetHistogram()
+	require.NotNil(t, h, "%s is not a histogram", name)
+	return h
 }
 
 func hasLabel(m *dto.Metric, name, value string) bool {

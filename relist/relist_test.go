@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -68,6 +70,14 @@ func (s *sink) take() []Event {
 	out := s.events
 	s.events = nil
 	return out
+}
+
+// takeByPod is take with the events grouped by pod: pods are applied in
+// parallel, so only each pod's own order is guaranteed.
+func (s *sink) takeByPod() []Event {
+	events := s.take()
+	slices.SortStableFunc(events, func(a, b Event) int { return strings.Compare(a.PodID, b.PodID) })
+	return events
 }
 
 func pod(id string, containers ...Container) Pod { return Pod{ID: id, Containers: containers} }
@@ -137,7 +147,7 @@ func TestPodsAppearChangeAndDisappear(t *testing.T) {
 
 	rt.set(pod("p1", c("s1", StateRunning), c("a", StateExited), c("b", StateRunning)), pod("p2", c("s2", StateExited)))
 	require.NoError(t, r.Relist(ctx))
-	assert.Equal(t, []Event{{"p1", ContainerDied, "a"}, {"p1", ContainerStarted, "b"}, {"p2", ContainerDied, "s2"}}, out.take())
+	assert.Equal(t, []Event{{"p1", ContainerDied, "a"}, {"p1", ContainerStarted, "b"}, {"p2", ContainerDied, "s2"}}, out.takeByPod())
 
 	rt.set(pod("p2", c("s2", StateExited)))
 	require.NoError(t, r.Relist(ctx))
