@@ -10,14 +10,14 @@ import (
 // by the monitor's clock through the scheduler's single timer, rather than by
 // context.WithTimeout, for two reasons: a FakeClock then controls handler
 // timeouts as it controls retries, and a call costs one small allocation
-// instead of a cancelCtx, a timerCtx and a runtime timer. The done channel is
-// made only if the handler asks for it.
+// instead of a cancelCtx, a timerCtx and a runtime timer. It is kept small
+// because every call allocates one: values come from the monitor's base
+// context, the start is the deadline less the timeout, and the done channel
+// is made only if the handler asks for it.
 type handlerContext struct {
-	context.Context // parent: values (the logger) only; it is never cancelled
-
+	monitor  *Monitor
 	key      string
 	event    any
-	started  time.Time
 	deadline time.Time
 
 	// In-flight list links and flags, guarded by Monitor.mu.
@@ -25,9 +25,28 @@ type handlerContext struct {
 	expired    bool // the deadline passed while the call ran
 	abandoned  bool // Stop gave up waiting for this call
 
-	mu   sync.Mutex
-	done chan struct{}
-	err  error
+	mu    sync.Mutex
+	ended ctxEnd
+	done  chan struct{}
+}
+
+// ctxEnd is why a handler context ended, if it has.
+type ctxEnd uint8
+
+const (
+	notEnded ctxEnd = iota
+	endedByStop
+	endedByDeadline
+)
+
+func (e ctxEnd) err() error {
+	switch e {
+	case endedByStop:
+		return context.Canceled
+	case endedByDeadline:
+		return context.DeadlineExceeded
+	}
+	return nil
 }
 
 func (c *handlerContext) Deadline() (time.Time, bool) { return c.deadline, true }
@@ -37,7 +56,7 @@ func (c *handlerContext) Done() <-chan struct{} {
 	defer c.mu.Unlock()
 	if c.done == nil {
 		c.done = make(chan struct{})
-		if c.err != nil {
+		if c.ended != notEnded {
 			close(c.done)
 		}
 	}
@@ -47,18 +66,25 @@ func (c *handlerContext) Done() <-chan struct{} {
 func (c *handlerContext) Err() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return c.err
+	return c.ended.err()
 }
+
+func (c *handlerContext) Value(key any) any { return c.monitor.base.Value(key) }
 
 func (c *handlerContext) String() string { return "eventmonitor.handlerContext(" + c.key + ")" }
 
-func (c *handlerContext) cancel(err error) {
+// started is when the call began: every call gets the same timeout.
+func (c *handlerContext) started() time.Time {
+	return c.deadline.Add(-c.monitor.cfg.handleTimeout)
+}
+
+func (c *handlerContext) end(why ctxEnd) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.err != nil {
+	if c.ended != notEnded {
 		return
 	}
-	c.err = err
+	c.ended = why
 	if c.done != nil {
 		close(c.done)
 	}

@@ -1,7 +1,6 @@
 package eventmonitor
 
 import (
-	"context"
 	"fmt"
 	"runtime/debug"
 	"time"
@@ -190,18 +189,46 @@ func (m *Monitor) worker() {
 		if waited || now.IsZero() {
 			now = m.cfg.clock.Now()
 		}
-		var ok bool
-		if now, ok = m.handleNext(k, now); !ok {
-			return // Stop abandoned this goroutine's call; it no longer counts
+		for turn := 1; ; turn++ {
+			var ok bool
+			if now, ok = m.handleNext(k, now); !ok {
+				return // Stop abandoned this goroutine's call; it no longer counts
+			}
+			if !m.mayContinue(k, turn) {
+				break
+			}
 		}
+		m.handBack(k)
+	}
+}
+
+// maxTurn is how many events in a row a worker handles for one key while
+// other keys wait. Staying on a key saves the trip through the run queue;
+// the bound keeps turns fair.
+const maxTurn = 32
+
+// mayContinue reports whether the worker that just handled k's turn-th
+// event in a row may handle k's next one at once. mu is held.
+func (m *Monitor) mayContinue(k *keyState, turn int) bool {
+	if m.state == stateStopped || k.running || k.ready || k.heapIndex >= 0 || k.queue.len() == 0 {
+		return false
+	}
+	return turn < maxTurn || m.ready.len() == 0
+}
+
+// handBack puts k in the run queue if it has more to run, and forgets it if
+// it is idle. mu is held.
+func (m *Monitor) handBack(k *keyState) {
+	if !m.schedule(k) {
+		m.releaseIfIdle(k)
 	}
 }
 
 // handleNext runs the head of k's queue on the calling goroutine, started at
-// now, and settles the outcome. mu is held on entry and on return; it is
-// released around the handler call and any logging or drop callbacks. It
-// returns the clock's reading when the handler returned, and false if Stop
-// abandoned the call while it ran.
+// now, and settles the outcome; the caller then runs k on or hands it back.
+// mu is held on entry and on return; it is released around the handler call
+// and any logging or drop callbacks. It returns the clock's reading when the
+// handler returned, and false if Stop abandoned the call while it ran.
 func (m *Monitor) handleNext(k *keyState, now time.Time) (time.Time, bool) {
 	wasReplay := k.replayLeft > 0
 	var starting *retry
@@ -231,7 +258,7 @@ func (m *Monitor) handleNext(k *keyState, now time.Time) (time.Time, bool) {
 	err := m.invoke(call, it.event)
 	end := m.cfg.clock.Now()
 	if mt := m.cfg.metrics; mt != nil {
-		m.observe(mt, end.Sub(call.started), it, err, end) // before taking mu again
+		m.observe(mt, end.Sub(call.started()), it, err, end) // before taking mu again
 	}
 
 	m.mu.Lock()
@@ -241,7 +268,7 @@ func (m *Monitor) handleNext(k *keyState, now time.Time) (time.Time, bool) {
 	m.calls.remove(call)
 	out := m.complete(k, it, err, end)
 	if call.expired {
-		out.overran = end.Sub(call.started)
+		out.overran = end.Sub(call.started())
 	}
 	if out.needsReport() {
 		m.mu.Unlock()
@@ -255,10 +282,9 @@ func (m *Monitor) handleNext(k *keyState, now time.Time) (time.Time, bool) {
 // held.
 func (m *Monitor) startCall(key string, event any, now time.Time) *handlerContext {
 	c := &handlerContext{
-		Context:  m.base,
+		monitor:  m,
 		key:      key,
 		event:    event,
-		started:  now,
 		deadline: now.Add(m.cfg.handleTimeout),
 	}
 	m.rearm(c.deadline) // a no-op unless the scheduler would wake later
@@ -324,9 +350,6 @@ func (m *Monitor) complete(k *keyState, it item, err error, now time.Time) outco
 		}
 	}
 	m.recount(k)
-	if !m.schedule(k) {
-		m.releaseIfIdle(k)
-	}
 	m.signalProgress()
 	return out
 }
@@ -395,7 +418,7 @@ func (m *Monitor) expireCalls(now time.Time) []*handlerContext {
 		}
 		if !c.expired {
 			c.expired = true
-			c.cancel(context.DeadlineExceeded)
+			c.end(endedByDeadline)
 			overruns = append(overruns, c)
 		}
 		if m.state == stateStopped {
@@ -424,7 +447,7 @@ func (m *Monitor) abandon(c *handlerContext) {
 
 func (m *Monitor) reportOverruns(calls []*handlerContext, now time.Time) {
 	for _, c := range calls {
-		m.cfg.logger.WithFields(log.Fields{"key": c.key, "running": now.Sub(c.started)}).
+		m.cfg.logger.WithFields(log.Fields{"key": c.key, "running": now.Sub(c.started())}).
 			Warn("event handler overran its timeout; its key stays held until it returns")
 	}
 }

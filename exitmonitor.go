@@ -109,6 +109,7 @@ func (m *Monitor) handleExit(key string, build func(uint32, time.Time) any, code
 	}
 	m.busy++
 	if _, ok := m.handleNext(k, m.cfg.clock.Now()); ok {
+		m.handBack(k)
 		m.busy--
 		m.signalProgress()
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -68,6 +69,28 @@ func TestSlowKeyDoesNotDelayOthers(t *testing.T) {
 	assert.NotContains(t, r.handledList(), ev{"slow", 2}, "slow/2 must wait for slow/1")
 	release()
 	waitFor(t, func() bool { return len(r.handledList()) == len(others)+2 }, "slow key finishes")
+}
+
+// A worker stays on a key with a backlog, but only for a bounded turn while
+// another key waits.
+func TestBusyKeyTakesTurns(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r) // one worker
+	started, release := r.gate(ev{"busy", 0})
+	h.submit(t, ev{"busy", 0})
+	<-started
+	backlog := 3 * maxTurn
+	for i := 1; i <= backlog; i++ {
+		h.submit(t, ev{"busy", i})
+	}
+	h.submit(t, ev{"other", 0})
+	release()
+	h.settled(t)
+
+	handled := r.handledList()
+	require.Len(t, handled, backlog+2)
+	at := slices.Index(handled, any(ev{"other", 0}))
+	assert.Equal(t, maxTurn, at, "the other key runs once the busy key's turn is over, not after its whole backlog")
 }
 
 func TestNoKeyRunsTwiceAtOnce(t *testing.T) {
