@@ -20,6 +20,7 @@ type item struct {
 // trail is where an event came from and how it has fared.
 type trail struct {
 	topic, namespace string    // the envelope's, for logs; "" for Submit
+	shared           bool      // one stream's events of this origin share it; never changed
 	attempts         int       // failed handler calls so far
 	failedAt         time.Time // first failure, for Metrics.Recovered
 	lastErr          error     // the latest failure, for the retry's log line
@@ -36,6 +37,8 @@ func (it item) attempts() int {
 func (it *item) failed(now time.Time, err error) {
 	if it.trail == nil {
 		it.trail = &trail{}
+	} else if it.trail.shared {
+		it.trail = &trail{topic: it.trail.topic, namespace: it.trail.namespace}
 	}
 	if it.trail.attempts == 0 {
 		it.trail.failedAt = now

@@ -36,7 +36,9 @@ func FuzzEnvelopeIntake(f *testing.F) {
 	f.Fuzz(func(t *testing.T, ns, typeURL string, value []byte) {
 		before := m.Stats()
 		lastDrop = nil
-		m.intakeEnvelope(context.Background(), &Envelope{Namespace: ns, Topic: "/fuzz", Event: &anypb.Any{TypeUrl: typeURL, Value: value}})
+		in := m.newIntake()
+		in.add(&Envelope{Namespace: ns, Topic: "/fuzz", Event: &anypb.Any{TypeUrl: typeURL, Value: value}})
+		in.flush(context.Background())
 		after := m.Stats()
 		if after.Received != before.Received+1 {
 			t.Fatalf("received %d -> %d", before.Received, after.Received)

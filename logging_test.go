@@ -98,3 +98,37 @@ func TestFailingKeyDoesNotFloodTheLog(t *testing.T) {
 	assert.Len(t, h.entries(retryLine), 5)
 	assert.Equal(t, 1000, h.entries(retryLine)[4].Data["events"])
 }
+
+// Events of one origin share what they know of it until they fail: one
+// event's failures must not show on another's count.
+func TestEventsOfOneOriginCountTheirOwnAttempts(t *testing.T) {
+	h := newHarness(t, HandlerFunc(func(_ context.Context, e any) error {
+		if e.(*wrapperspb.StringValue).Value == "ok" {
+			return nil
+		}
+		return errors.New("failing")
+	}), WithConverter(testConverter), WithBackoff(time.Second, time.Minute))
+	stream := newFakeStream()
+	h.m.Subscribe(stream)
+	h.m.Start()
+	sub := <-stream.newSub
+	send := func(key string) {
+		sub.send(t, &Envelope{Namespace: "k8s.io", Topic: "/tasks/exit", Event: payload(t, wrapperspb.String(key))})
+	}
+	send("c1")
+	waitFor(t, func() bool { return h.pending("c1").Attempts == 1 }, "c1 fails once")
+	h.clock.Step(time.Second)
+	waitFor(t, func() bool { return h.pending("c1").Attempts == 2 }, "c1 fails again")
+	send("ok")
+	send("c2")
+	waitFor(t, func() bool { return h.pending("c2").Attempts == 1 }, "c2 fails once")
+	assert.Equal(t, 2, h.pending("c1").Attempts)
+	assert.EqualValues(t, 1, h.m.Stats().Handled)
+
+	lines := h.entries(failedLine)
+	require.Len(t, lines, 3)
+	assert.Equal(t, "c2", lines[2].Data["key"])
+	assert.Equal(t, 1, lines[2].Data["attempt"])
+	assert.Equal(t, "/tasks/exit", lines[2].Data["topic"])
+	assert.Equal(t, "k8s.io", lines[2].Data["namespace"])
+}

@@ -98,7 +98,8 @@ func WithMaxQueuedPerKey(n int) Option { return func(c *config) { c.maxQueuedPer
 
 // WithIntakeLimit sets the backpressure bound of stream intake: while n
 // accepted events wait for a worker, the monitor stops reading its stream, so
-// a flood is held by the runtime, not in our memory. Submit is never blocked.
+// a flood is held by the runtime, not in our memory (beyond the one batch of
+// at most 128 envelopes a stream's intake has read). Submit is never blocked.
 func WithIntakeLimit(n int) Option { return func(c *config) { c.intakeLimit = n } }
 
 // WithDropHandler receives every event the monitor gives up on, with the

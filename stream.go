@@ -2,11 +2,9 @@ package eventmonitor
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"time"
 
-	"github.com/containerd/log"
 	"github.com/containerd/typeurl/v2"
 )
 
@@ -149,25 +147,22 @@ func (m *Monitor) consume(ctx context.Context, sub *subscription) (delivered boo
 		m.progress.Broadcast()
 		m.mu.Unlock()
 	})()
+	in := m.newIntake()
 	for {
 		select {
 		case <-ctx.Done():
 			return delivered, nil
 		case env, ok := <-sub.ch:
 			if !ok {
-				// A subscriber may send its error and close both channels
-				// at once: report the error, not just the closing.
-				select {
-				case err := <-sub.errs:
-					if err != nil {
-						return delivered, err
-					}
-				default:
-				}
-				return delivered, ErrStreamClosed
+				return delivered, sub.closedErr()
 			}
 			delivered = true
-			m.intakeEnvelope(ctx, env)
+			in.add(env)
+			open := in.fill(sub.ch)
+			in.flush(ctx)
+			if !open {
+				return delivered, sub.closedErr()
+			}
 		case err, ok := <-sub.errs:
 			if !ok {
 				return delivered, nil
@@ -179,61 +174,16 @@ func (m *Monitor) consume(ctx context.Context, sub *subscription) (delivered boo
 	}
 }
 
-var errNilEnvelope = fmt.Errorf("%w: nil envelope", ErrInvalidEvent)
-
-// intakeEnvelope filters, converts and accepts one envelope, waiting while
-// the intake limit is reached. What cannot be accepted goes to the drop
-// handler with the reason.
-func (m *Monitor) intakeEnvelope(ctx context.Context, env *Envelope) {
-	var key string
-	var event any
-	err := errNilEnvelope
-	if env != nil {
-		if m.cfg.namespace != "" && env.Namespace != m.cfg.namespace {
-			m.mu.Lock()
-			m.stats.Received++
-			m.stats.Filtered++
-			m.mu.Unlock()
-			return
+// closedErr is the error of a stream whose envelope channel closed. A
+// subscriber may send its error and close both channels at once: report the
+// error, not just the closing.
+func (s *subscription) closedErr() error {
+	select {
+	case err := <-s.errs:
+		if err != nil {
+			return err
 		}
-		key, event, err = m.convert(env.Event)
+	default:
 	}
-	m.mu.Lock()
-	if err == nil {
-		it := item{event: event, trail: &trail{topic: env.Topic, namespace: env.Namespace}}
-		for m.state == stateRunning && ctx.Err() == nil && m.queued-m.eventsInBackoff >= m.cfg.intakeLimit {
-			m.waitProgress()
-		}
-		var k *keyState
-		if k, err = m.accept(key, it); err == nil {
-			m.schedule(k)
-			m.mu.Unlock()
-			return
-		}
-	}
-	d := m.refuseLocked(key, event, err)
-	m.mu.Unlock()
-	if env != nil {
-		m.cfg.logger.WithFields(log.Fields{"topic": env.Topic, "namespace": env.Namespace, "key": key}).
-			WithError(err).Debug("envelope dropped")
-	}
-	m.emit(d)
-}
-
-// convert runs the converter, turning a panic (say, in a key function) into
-// ErrInvalidEvent.
-func (m *Monitor) convert(payload typeurl.Any) (key string, event any, err error) {
-	defer func() {
-		if r := recover(); r != nil {
-			key, event, err = "", nil, fmt.Errorf("%w: converter panicked: %v", ErrInvalidEvent, r)
-		}
-	}()
-	if payload == nil {
-		return "", nil, fmt.Errorf("%w: nil payload", ErrInvalidEvent)
-	}
-	key, event, err = m.cfg.converter.Convert(payload)
-	if err == nil && event == nil {
-		err = errors.New("converter returned a nil event")
-	}
-	return key, event, err
+	return ErrStreamClosed
 }
