@@ -40,7 +40,7 @@ type Monitor struct {
 	busy            int // goroutines Stop waits for: workers, inline exit calls
 	state           runState
 	keys            map[string]*keyState
-	spare           []*keyState
+	idleKeys        keyList // idle keys still in keys, oldest first
 	ready           fifo[*keyState]
 	due             dueHeap
 	calls           callList

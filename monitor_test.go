@@ -328,3 +328,33 @@ func TestStatsAccountForEveryEvent(t *testing.T) {
 	assert.Equal(t, Stats{Received: 4, Handled: 2, Failed: 1, KeysInBackoff: 2, EventsInBackoff: 2}, s)
 	assert.Len(t, h.m.Pending(), 2)
 }
+
+// Idle keys stay known for reuse, but only so many: a node's churn of
+// short-lived containers must not grow the monitor's memory.
+func TestIdleKeysAreBounded(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithWorkers(2), WithBackoff(time.Second, time.Minute))
+	total := 3 * maxIdleKeys
+	for i := range total {
+		h.submit(t, ev{fmt.Sprintf("c%d", i), 0})
+	}
+	waitFor(t, func() bool { return len(r.handledList()) == total }, "all handled")
+	h.settled(t)
+	h.m.mu.Lock()
+	known, idle := len(h.m.keys), h.m.idleKeys.n
+	h.m.mu.Unlock()
+	assert.Equal(t, maxIdleKeys, known, "keys beyond the idle bound are forgotten")
+	assert.Equal(t, maxIdleKeys, idle)
+
+	// A key whose state was reused, and one still idle, start afresh.
+	r.fail(ev{"c0", 1}, 1)
+	r.fail(ev{fmt.Sprintf("c%d", total-1), 1}, 1)
+	h.submit(t, ev{"c0", 1}, ev{fmt.Sprintf("c%d", total-1), 1})
+	waitFor(t, func() bool { return len(h.m.Pending()) == 2 }, "both keys fail once")
+	for _, p := range h.m.Pending() {
+		assert.Equal(t, 1, p.Attempts, p.Key)
+		assert.Equal(t, epoch.Add(time.Second), p.Due, "%s waits the initial delay", p.Key)
+	}
+	h.clock.Step(time.Second)
+	waitFor(t, func() bool { return len(r.handledList()) == total+2 }, "both retried")
+}

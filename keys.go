@@ -1,0 +1,190 @@
+package eventmonitor
+
+import "time"
+
+// item is one accepted event waiting in its key's queue. It is kept to two
+// words because queues hold many of them: what only logs and metrics need
+// lives behind trail, which stays nil for an event submitted directly that
+// has not failed yet.
+type item struct {
+	event any
+	trail *trail
+}
+
+// trail is where an event came from and how it has fared.
+type trail struct {
+	topic, namespace string    // the envelope's, for logs; "" for Submit
+	shared           bool      // one stream's events of this origin share it; never changed
+	attempts         int       // failed handler calls so far
+	failedAt         time.Time // first failure, for Metrics.Recovered
+	lastErr          error     // the latest failure, for the retry's log line
+}
+
+func (it item) attempts() int {
+	if it.trail == nil {
+		return 0
+	}
+	return it.trail.attempts
+}
+
+// failed records one more failed call, returning err at now.
+func (it *item) failed(now time.Time, err error) {
+	if it.trail == nil {
+		it.trail = &trail{}
+	} else if it.trail.shared {
+		it.trail = &trail{topic: it.trail.topic, namespace: it.trail.namespace}
+	}
+	if it.trail.attempts == 0 {
+		it.trail.failedAt = now
+	}
+	it.trail.attempts++
+	it.trail.lastErr = err
+}
+
+// keyState is everything the monitor knows about one key. A key exists in
+// Monitor.keys while it holds events, runs, or is in backoff, and for a while
+// after it goes idle (see idleKeys).
+//
+// A key is in exactly one of these places at a time: idle, in the run queue
+// (ready), in a handler call (running), or in the due heap (heapIndex >= 0).
+// That is what keeps one key on one goroutine.
+type keyState struct {
+	key       string
+	queue     fifo[item]
+	running   bool
+	ready     bool
+	heapIndex int
+	due       time.Time
+	delay     time.Duration // current backoff delay; 0 outside backoff
+
+	// replayLeft counts the events at the head of the queue that belong to
+	// the replay in progress; replayInFlight is set while one of them is in
+	// a handler call. When both are done the key leaves backoff.
+	replayLeft     int
+	replayInFlight bool
+	replayStarting bool // the replay's first call is yet to start
+
+	// countedEvents is what this key adds to Monitor.eventsInBackoff, and
+	// countedInBackoff whether it adds to keysInBackoff; recount keeps them.
+	countedEvents    int
+	countedInBackoff bool
+
+	// Links in Monitor.idleKeys while the key is idle.
+	idlePrev, idleNext *keyState
+	listedIdle         bool
+}
+
+func (k *keyState) inBackoff() bool {
+	return k.heapIndex >= 0 || k.replayLeft > 0 || k.replayInFlight
+}
+
+// idle reports whether k can be forgotten: nothing queued, running or due.
+func (k *keyState) idle() bool {
+	return !k.running && !k.ready && k.queue.len() == 0 && !k.inBackoff()
+}
+
+// maxIdleKeys bounds how many idle keys stay in Monitor.keys. A key that
+// gets events again soon (the common case: one container's start, exit and
+// delete) then costs neither a map insert and delete nor an allocation; a
+// key that does not is evicted once maxIdleKeys newer ones went idle.
+const maxIdleKeys = 1024
+
+// maxIdleQueue is the largest queue array an idle key keeps for reuse.
+const maxIdleQueue = 64
+
+// keyFor returns key's state, creating it if needed. mu is held.
+func (m *Monitor) keyFor(key string) *keyState {
+	if k, ok := m.keys[key]; ok {
+		if k.listedIdle {
+			m.idleKeys.remove(k)
+		}
+		return k
+	}
+	var k *keyState
+	if m.idleKeys.n >= maxIdleKeys {
+		k = m.evictIdle() // the oldest idle key's state serves the new key
+	} else {
+		k = &keyState{heapIndex: -1}
+	}
+	k.key = key
+	m.keys[key] = k
+	return k
+}
+
+// releaseIfIdle lists k as idle if it is. mu is held.
+func (m *Monitor) releaseIfIdle(k *keyState) {
+	if k.listedIdle || !k.idle() {
+		return
+	}
+	k.due, k.delay, k.replayStarting = time.Time{}, 0, false
+	if cap(k.queue.items) > maxIdleQueue {
+		k.queue = fifo[item]{} // a burst's array is not kept for ever
+	}
+	m.idleKeys.push(k)
+	if m.idleKeys.n > maxIdleKeys {
+		m.evictIdle()
+	}
+}
+
+// evictIdle forgets the key that has been idle longest and returns its state
+// for reuse. mu is held.
+func (m *Monitor) evictIdle() *keyState {
+	k := m.idleKeys.head
+	m.idleKeys.remove(k)
+	delete(m.keys, k.key)
+	k.key = ""
+	return k
+}
+
+// keyList is a doubly linked list of idle keys, oldest first.
+type keyList struct {
+	head, tail *keyState
+	n          int
+}
+
+func (l *keyList) push(k *keyState) {
+	k.idlePrev, k.idleNext, k.listedIdle = l.tail, nil, true
+	if l.tail != nil {
+		l.tail.idleNext = k
+	} else {
+		l.head = k
+	}
+	l.tail = k
+	l.n++
+}
+
+func (l *keyList) remove(k *keyState) {
+	if k.idlePrev != nil {
+		k.idlePrev.idleNext = k.idleNext
+	} else {
+		l.head = k.idleNext
+	}
+	if k.idleNext != nil {
+		k.idleNext.idlePrev = k.idlePrev
+	} else {
+		l.tail = k.idlePrev
+	}
+	k.idlePrev, k.idleNext, k.listedIdle = nil, nil, false
+	l.n--
+}
+
+// recount brings the backoff gauges up to date with k's state after any
+// change to it, and resets the delay of a key that has left backoff. mu is held.
+func (m *Monitor) recount(k *keyState) {
+	in := k.inBackoff()
+	events := 0
+	if in {
+		events = k.queue.len()
+	}
+	m.eventsInBackoff += events - k.countedEvents
+	k.countedEvents = events
+	if in != k.countedInBackoff {
+		k.countedInBackoff = in
+		if in {
+			m.keysInBackoff++
+		} else {
+			m.keysInBackoff--
+			k.delay = 0
+		}
+	}
+}
