@@ -35,15 +35,15 @@ type ctxEnd uint8
 
 const (
 	notEnded ctxEnd = iota
-	endedByStop
-	endedByDeadline
+	endedCanceled
+	endedDeadline
 )
 
 func (e ctxEnd) err() error {
 	switch e {
-	case endedByStop:
+	case endedCanceled:
 		return context.Canceled
-	case endedByDeadline:
+	case endedDeadline:
 		return context.DeadlineExceeded
 	}
 	return nil

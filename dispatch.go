@@ -130,6 +130,7 @@ func (m *Monitor) handleNext(k *keyState, now time.Time) (time.Time, bool) {
 	}
 
 	err := m.invoke(call, it.event)
+	call.end(endedCanceled) // as a deferred cancel would: what the handler started with ctx stops
 	end := m.cfg.clock.Now()
 	if mt := m.cfg.metrics; mt != nil {
 		m.observe(mt, end.Sub(call.started()), it, err, end) // before taking mu again
@@ -292,7 +293,7 @@ func (m *Monitor) expireCalls(now time.Time) []*handlerContext {
 		}
 		if !c.expired {
 			c.expired = true
-			c.end(endedByDeadline)
+			c.end(endedDeadline)
 			overruns = append(overruns, c)
 		}
 		if m.state == stateStopped {

@@ -90,7 +90,7 @@ func (k *keyState) idle() bool {
 const maxIdleKeys = 1024
 
 // maxIdleQueue is the largest queue array an idle key keeps for reuse.
-const maxIdleQueue = 64
+const maxIdleQueue = 256
 
 // keyFor returns key's state, creating it if needed. mu is held.
 func (m *Monitor) keyFor(key string) *keyState {

@@ -338,7 +338,7 @@ func (m *Monitor) stop() {
 	m.mu.Lock()
 	m.state = stateStopped
 	for c := m.calls.head; c != nil; c = c.next {
-		c.end(endedByStop)
+		c.end(endedCanceled)
 	}
 	m.workAvailable.Broadcast()
 	m.progress.Broadcast()

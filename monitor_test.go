@@ -171,6 +171,41 @@ func TestHandlerContextHasClockDrivenDeadline(t *testing.T) {
 	assert.Equal(t, epoch.Add(3*time.Second), deadline)
 }
 
+// A handler's context ends when the handler returns, as one from
+// context.WithTimeout with a deferred cancel would: work the handler started
+// with it stops too.
+func TestHandlerContextEndsWhenTheCallReturns(t *testing.T) {
+	contexts := make(chan context.Context, 2)
+	watched := make(chan struct{})
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		contexts <- ctx
+		if e.(ev).Seq == 1 {
+			go func() { // outlives the call
+				<-ctx.Done()
+				close(watched)
+			}()
+		}
+		return ctx.Err()
+	}))
+	h.submit(t, ev{"a", 1}, ev{"a", 2})
+	h.settled(t)
+	assert.EqualValues(t, 2, h.m.Stats().Handled, "the context was live during each call")
+	for range 2 {
+		ctx := <-contexts
+		assert.ErrorIs(t, ctx.Err(), context.Canceled)
+		select {
+		case <-ctx.Done():
+		default:
+			t.Fatal("Done is not closed after the call returned")
+		}
+	}
+	select {
+	case <-watched:
+	case <-time.After(10 * time.Second):
+		t.Fatal("a goroutine watching the call's context was never released")
+	}
+}
+
 func TestOverrunningCallHoldsItsKey(t *testing.T) {
 	r := newRecorder()
 	h := newHarness(t, r, WithWorkers(2), WithHandleTimeout(time.Second))

@@ -14,6 +14,7 @@ import (
 	"math"
 	"os"
 	"runtime"
+	"slices"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -34,6 +35,7 @@ func main() {
 	idle := flag.Duration("idle", 5*time.Second, "backoff at scale: idle period measured")
 	sizes := flag.String("sizes", "1000,10000,100000", "backoff at scale: keys in backoff")
 	only := flag.String("only", "", "comma-separated scenarios to run: fast, hol, backoff, retry, envelope")
+	runs := flag.Int("runs", 3, "fast and envelope paths: runs of each, interleaved; the median is shown")
 	flag.Parse()
 	log.L.Logger.SetLevel(log.ErrorLevel) // the failing handlers are on purpose
 
@@ -41,7 +43,7 @@ func main() {
 	keys := keyNames(*keyCount)
 	var rows []row
 	if want("fast") {
-		rows = append(rows, fastRows(keys, *events)...)
+		rows = append(rows, fastRows(keys, *events, *runs)...)
 	}
 	if want("hol") {
 		rows = append(rows, holRows(keys, *holFor)...)
@@ -53,7 +55,7 @@ func main() {
 		rows = append(rows, retryRows()...)
 	}
 	if want("envelope") {
-		rows = append(rows, envelopeRows(keys, *events/5)...)
+		rows = append(rows, envelopeRows(keys, *events/5, *runs)...)
 	}
 
 	fmt.Printf("%s, %d CPUs, %s/%s\n\n", runtime.Version(), runtime.NumCPU(), runtime.GOOS, runtime.GOARCH)
@@ -80,13 +82,37 @@ func advantage(ours, wq, serial float64, higherIsBetter bool) string {
 	return fmt.Sprintf("%s vs workqueue, %s vs serial", times(wq), times(serial))
 }
 
-func fastRows(keys []string, n int) []row {
+// medianOf returns the median of runs measurements of each of fs, taken in
+// turn (f0, f1, f2, f0, ...) so that a noisy spell on a shared machine does
+// not fall on one contender only.
+func medianOf(runs int, fs ...func() float64) []float64 {
+	all := make([][]float64, len(fs))
+	for range max(1, runs) {
+		for i, f := range fs {
+			all[i] = append(all[i], f())
+		}
+	}
+	out := make([]float64, len(fs))
+	for i, xs := range all {
+		slices.Sort(xs)
+		out[i] = xs[len(xs)/2]
+	}
+	return out
+}
+
+func fastRows(keys []string, n, runs int) []row {
 	var rows []row
 	for _, workers := range []int{1, 4} {
 		var rates, allocs [3]float64
+		var fs []func() float64
 		for i, c := range contenders {
-			rates[i], allocs[i] = fastPath(c.new, workers, n, keys)
+			fs = append(fs, func() float64 {
+				rate, a := fastPath(c.new, workers, n, keys)
+				allocs[i] = a // steady from run to run; the last is shown
+				return rate
+			})
 		}
+		copy(rates[:], medianOf(runs, fs...))
 		scenario := fmt.Sprintf("1. fast path, %d worker(s)", workers)
 		rows = append(rows,
 			row{scenario, "events/s", fmtEach(rates, func(v float64) string { return fmt.Sprintf("%.2fM", v/1e6) }),
@@ -164,12 +190,16 @@ func retryRows() []row {
 	}
 }
 
-func envelopeRows(keys []string, n int) []row {
+func envelopeRows(keys []string, n, runs int) []row {
 	payloads := taskExitPayloads(keys)
-	floor := decodeOnly(payloads, n)
+	rates := medianOf(runs,
+		func() float64 { return decodeOnly(payloads, n) },
+		func() float64 { return envelopePath(payloads, 1, n) },
+		func() float64 { return envelopePath(payloads, 4, n) })
+	floor := rates[0]
 	var rows []row
-	for _, workers := range []int{1, 4} {
-		rate := envelopePath(payloads, workers, n)
+	for i, workers := range []int{1, 4} {
+		rate := rates[i+1]
 		rows = append(rows, row{
 			fmt.Sprintf("5. envelope path (TaskExit), %d worker(s)", workers), "events/s",
 			[3]string{fmt.Sprintf("%.2fM", rate/1e6), "—", "—"},
