@@ -138,8 +138,8 @@ func (m *Monitor) scheduler() {
 		if len(m.due) > 0 {
 			m.armed, m.wakeAt = true, m.due[0].due
 		}
-		if c := m.calls.firstLive(); c != nil && (!m.armed || c.deadline.Before(m.wakeAt)) {
-			m.armed, m.wakeAt = true, c.deadline
+		if c := m.calls.firstLive(); c != nil && (!m.armed || c.deadline().Before(m.wakeAt)) {
+			m.armed, m.wakeAt = true, c.deadline()
 		}
 		armed, wakeAt := m.armed, m.wakeAt
 		m.mu.Unlock()

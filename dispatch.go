@@ -11,7 +11,7 @@ import (
 // schedule puts k in the run queue if it has work a worker may start now.
 // mu is held.
 func (m *Monitor) schedule(k *keyState) bool {
-	if k.running || k.ready || k.heapIndex >= 0 || k.queue.len() == 0 {
+	if k.running != nil || k.ready || k.heapIndex >= 0 || k.queue.len() == 0 {
 		return false
 	}
 	k.ready = true
@@ -32,7 +32,7 @@ func (m *Monitor) nextReady() (k *keyState, waited bool) {
 		if m.ready.len() > 0 {
 			k := m.ready.pop()
 			k.ready = false
-			if !k.running && k.heapIndex < 0 && k.queue.len() > 0 {
+			if k.running == nil && k.heapIndex < 0 && k.queue.len() > 0 {
 				return k, waited
 			}
 			m.releaseIfIdle(k)
@@ -84,7 +84,7 @@ const maxTurn = 32
 // mayContinue reports whether the worker that just handled k's turn-th
 // event in a row may handle k's next one at once. mu is held.
 func (m *Monitor) mayContinue(k *keyState, turn int) bool {
-	if m.state == stateStopped || k.running || k.ready || k.heapIndex >= 0 || k.queue.len() == 0 {
+	if m.state == stateStopped || k.running != nil || k.ready || k.heapIndex >= 0 || k.queue.len() == 0 {
 		return false
 	}
 	return turn < maxTurn || m.ready.len() == 0
@@ -121,8 +121,8 @@ func (m *Monitor) handleNext(k *keyState, now time.Time) (time.Time, bool) {
 	}
 	m.recount(k)
 	m.signalProgress() // stream intake may be waiting for the room this frees
-	k.running = true
-	call := m.startCall(k.key, it.event, now)
+	k.running = it.event
+	call := m.startCall(k.key, now)
 	m.mu.Unlock()
 
 	if starting != nil {
@@ -155,14 +155,9 @@ func (m *Monitor) handleNext(k *keyState, now time.Time) (time.Time, bool) {
 
 // startCall registers a call starting at now and returns its context. mu is
 // held.
-func (m *Monitor) startCall(key string, event any, now time.Time) *handlerContext {
-	c := &handlerContext{
-		monitor:  m,
-		key:      key,
-		event:    event,
-		deadline: now.Add(m.cfg.handleTimeout),
-	}
-	m.rearm(c.deadline) // a no-op unless the scheduler would wake later
+func (m *Monitor) startCall(key string, now time.Time) *handlerContext {
+	c := &handlerContext{monitor: m, key: key, start: now.Sub(m.epoch)}
+	m.rearm(c.deadline()) // a no-op unless the scheduler would wake later
 	m.calls.add(c)
 	return c
 }
@@ -207,7 +202,7 @@ func (o *outcome) needsReport() bool { return o.err != nil || o.overran > 0 }
 // key waits, or the monitor gives up on it. mu is held.
 func (m *Monitor) complete(k *keyState, it item, err error, now time.Time) outcome {
 	out := outcome{key: k.key, err: err}
-	k.running = false
+	k.running = nil
 	wasReplay := k.replayInFlight
 	k.replayInFlight = false
 	if err == nil {
@@ -288,7 +283,7 @@ func (m *Monitor) expireCalls(now time.Time) []*handlerContext {
 	var overruns []*handlerContext
 	for c := m.calls.head; c != nil; {
 		next := c.next
-		if c.deadline.After(now) {
+		if c.deadline().After(now) {
 			break
 		}
 		if !c.expired {
@@ -314,7 +309,7 @@ func (m *Monitor) abandon(c *handlerContext) {
 	m.stats.Dropped++
 	m.abandonedDrops = append(m.abandonedDrops, Drop{
 		Key:    c.key,
-		Events: []any{c.event},
+		Events: []any{m.keys[c.key].running},
 		Reason: fmt.Errorf("%w: handler still running at its deadline, abandoned", ErrStopped),
 	})
 	m.signalProgress()

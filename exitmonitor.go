@@ -103,7 +103,7 @@ func (m *Monitor) handleExit(key string, build func(uint32, time.Time) any, code
 		return
 	}
 	defer m.mu.Unlock()
-	if k.running || k.ready || k.inBackoff() || k.queue.len() > 1 {
+	if k.running != nil || k.ready || k.inBackoff() || k.queue.len() > 1 {
 		m.schedule(k)
 		return
 	}

@@ -51,7 +51,7 @@ func (it *item) failed(now time.Time, err error) {
 type keyState struct {
 	key       string
 	queue     fifo[item]
-	running   bool
+	running   any // the event in a handler call, nil if none
 	ready     bool
 	heapIndex int
 	due       time.Time
@@ -80,7 +80,7 @@ func (k *keyState) inBackoff() bool {
 
 // idle reports whether k can be forgotten: nothing queued, running or due.
 func (k *keyState) idle() bool {
-	return !k.running && !k.ready && k.queue.len() == 0 && !k.inBackoff()
+	return k.running == nil && !k.ready && k.queue.len() == 0 && !k.inBackoff()
 }
 
 // maxIdleKeys bounds how many idle keys stay in Monitor.keys. A key that

@@ -31,6 +31,7 @@ type Monitor struct {
 	cfg     config
 	handler Handler
 	base    context.Context // parent of every handler context: carries the logger
+	epoch   time.Time       // the clock's reading at New; handler contexts count from it
 
 	mu              sync.Mutex
 	workAvailable   sync.Cond // workers wait here for a ready key
@@ -87,6 +88,7 @@ func New(h Handler, opts ...Option) (*Monitor, error) {
 		cfg:           cfg,
 		handler:       h,
 		base:          log.WithLogger(context.Background(), cfg.logger),
+		epoch:         cfg.clock.Now(),
 		keys:          make(map[string]*keyState),
 		busy:          cfg.workers,
 		wake:          make(chan struct{}, 1),

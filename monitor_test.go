@@ -206,6 +206,35 @@ func TestHandlerContextEndsWhenTheCallReturns(t *testing.T) {
 	}
 }
 
+// Done asked for while the call returns (from a goroutine the handler
+// started) must still close: the context's end and the channel's creation
+// race without a lock.
+func TestHandlerContextDoneRacesTheReturn(t *testing.T) {
+	const calls = 500
+	var released sync.WaitGroup
+	released.Add(calls)
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		go func() {
+			<-ctx.Done()
+			released.Done()
+		}()
+		return nil
+	}), WithWorkers(4))
+	for i := range calls {
+		h.submit(t, ev{fmt.Sprintf("k%d", i%20), i})
+	}
+	waitDone := make(chan struct{})
+	go func() {
+		released.Wait()
+		close(waitDone)
+	}()
+	select {
+	case <-waitDone:
+	case <-time.After(10 * time.Second):
+		t.Fatal("a goroutine waiting on a finished call's context was never released")
+	}
+}
+
 func TestOverrunningCallHoldsItsKey(t *testing.T) {
 	r := newRecorder()
 	h := newHarness(t, r, WithWorkers(2), WithHandleTimeout(time.Second))
