@@ -52,16 +52,16 @@ func (m *Monitor) nextReady() (k *keyState, waited bool) {
 func (m *Monitor) worker() {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	var now time.Time
-	for {
+	var now time.Duration
+	for first := true; ; first = false {
 		k, waited := m.nextReady()
 		if k == nil {
 			m.busy--
 			m.signalProgress()
 			return
 		}
-		if waited || now.IsZero() {
-			now = m.cfg.clock.Now()
+		if waited || first {
+			now = m.sinceEpoch()
 		}
 		for turn := 1; ; turn++ {
 			var ok bool
@@ -102,8 +102,9 @@ func (m *Monitor) handBack(k *keyState) {
 // now, and settles the outcome; the caller then runs k on or hands it back.
 // mu is held on entry and on return; it is released around the handler call
 // and any logging or drop callbacks. It returns the clock's reading when the
-// handler returned, and false if Stop abandoned the call while it ran.
-func (m *Monitor) handleNext(k *keyState, now time.Time) (time.Time, bool) {
+// handler returned, and false if Stop abandoned the call while it ran. Both
+// readings count from the monitor's epoch (see sinceEpoch).
+func (m *Monitor) handleNext(k *keyState, now time.Duration) (time.Duration, bool) {
 	wasReplay := k.replayLeft > 0
 	var starting *retry
 	if k.replayStarting && wasReplay {
@@ -131,9 +132,10 @@ func (m *Monitor) handleNext(k *keyState, now time.Time) (time.Time, bool) {
 
 	err := m.invoke(call, it.event)
 	call.end(endedCanceled) // as a deferred cancel would: what the handler started with ctx stops
-	end := m.cfg.clock.Now()
+	end := m.sinceEpoch()
+	endTime := m.epoch.Add(end)
 	if mt := m.cfg.metrics; mt != nil {
-		m.observe(mt, end.Sub(call.started()), it, err, end) // before taking mu again
+		m.observe(mt, end-call.start, it, err, endTime) // before taking mu again
 	}
 
 	m.mu.Lock()
@@ -141,9 +143,9 @@ func (m *Monitor) handleNext(k *keyState, now time.Time) (time.Time, bool) {
 		return end, false // already unlinked and accounted for by abandon
 	}
 	m.calls.remove(call)
-	out := m.complete(k, it, err, end)
+	out := m.complete(k, it, err, endTime)
 	if call.expired {
-		out.overran = end.Sub(call.started())
+		out.overran = end - call.start
 	}
 	if out.needsReport() {
 		m.mu.Unlock()
@@ -155,8 +157,8 @@ func (m *Monitor) handleNext(k *keyState, now time.Time) (time.Time, bool) {
 
 // startCall registers a call starting at now and returns its context. mu is
 // held.
-func (m *Monitor) startCall(key string, now time.Time) *handlerContext {
-	c := &handlerContext{monitor: m, key: key, start: now.Sub(m.epoch)}
+func (m *Monitor) startCall(key string, now time.Duration) *handlerContext {
+	c := &handlerContext{monitor: m, key: key, start: now}
 	m.rearm(c.deadline()) // a no-op unless the scheduler would wake later
 	m.calls.add(c)
 	return c

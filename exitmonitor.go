@@ -108,7 +108,7 @@ func (m *Monitor) handleExit(key string, build func(uint32, time.Time) any, code
 		return
 	}
 	m.busy++
-	if _, ok := m.handleNext(k, m.cfg.clock.Now()); ok {
+	if _, ok := m.handleNext(k, m.sinceEpoch()); ok {
 		m.handBack(k)
 		m.busy--
 		m.signalProgress()
