@@ -2,20 +2,19 @@ package eventmonitor
 
 import (
 	"context"
-	"sync/atomic"
+	"sync"
 	"time"
 )
 
 // handlerContext is the context of one handler call. Its deadline is driven
 // by the monitor's clock through the scheduler's single timer, rather than by
 // context.WithTimeout, for two reasons: a FakeClock then controls handler
-// timeouts as it controls retries, and a call costs one 64-byte allocation
-// instead of a cancelCtx, a timerCtx and a runtime timer. To stay that small
-// it holds no parent (values come from the monitor's base context), no event
-// (the key's state holds it during the call), its start as an offset from
-// the monitor's epoch (the deadline is the start plus the one timeout), and
-// no lock: its state is one atomic word, and the done channel is made only if
-// the handler asks for it.
+// timeouts as it controls retries, and a call costs one small allocation
+// (72 bytes) instead of a cancelCtx, a timerCtx and a runtime timer. To stay
+// small it holds no parent (values come from the monitor's base context), no
+// event (the key's state holds it during the call), and its start as an
+// offset from the monitor's epoch (the deadline is the start plus the one
+// timeout); the done channel is made only if the handler asks for it.
 type handlerContext struct {
 	monitor *Monitor
 	key     string
@@ -26,20 +25,20 @@ type handlerContext struct {
 	expired    bool // the deadline passed while the call ran
 	abandoned  bool // Stop gave up waiting for this call
 
-	state atomic.Uint32 // a ctxEnd, plus doneClosed once done is closed
-	done  atomic.Pointer[chan struct{}]
+	// Why the context ended, and its done channel: set together under mu,
+	// so that Err is non-nil exactly when Done is closed.
+	mu    sync.Mutex
+	ended ctxEnd
+	done  chan struct{}
 }
 
 // ctxEnd is why a handler context ended, if it has.
-type ctxEnd uint32
+type ctxEnd uint8
 
 const (
 	notEnded ctxEnd = iota
 	endedCanceled
 	endedDeadline
-
-	endMask    = 0b11
-	doneClosed = 0b100
 )
 
 func (e ctxEnd) err() error {
@@ -62,22 +61,22 @@ func (c *handlerContext) started() time.Time { return c.monitor.epoch.Add(c.star
 func (c *handlerContext) Deadline() (time.Time, bool) { return c.deadline(), true }
 
 func (c *handlerContext) Done() <-chan struct{} {
-	if p := c.done.Load(); p != nil {
-		return *p
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.done == nil {
+		c.done = make(chan struct{})
+		if c.ended != notEnded {
+			close(c.done)
+		}
 	}
-	ch := make(chan struct{})
-	if !c.done.CompareAndSwap(nil, &ch) {
-		return *c.done.Load()
-	}
-	// end may have run before the channel was there to close: whichever of
-	// the two sees both the end and the channel closes it.
-	if c.state.Load()&endMask != uint32(notEnded) {
-		c.closeDone()
-	}
-	return ch
+	return c.done
 }
 
-func (c *handlerContext) Err() error { return ctxEnd(c.state.Load() & endMask).err() }
+func (c *handlerContext) Err() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.ended.err()
+}
 
 func (c *handlerContext) Value(key any) any { return c.monitor.base.Value(key) }
 
@@ -85,25 +84,14 @@ func (c *handlerContext) String() string { return "eventmonitor.handlerContext("
 
 // end ends the context for why, unless it has ended already.
 func (c *handlerContext) end(why ctxEnd) {
-	if !c.state.CompareAndSwap(uint32(notEnded), uint32(why)) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.ended != notEnded {
 		return
 	}
-	if c.done.Load() != nil {
-		c.closeDone()
-	}
-}
-
-// closeDone closes the done channel once, whoever gets here first.
-func (c *handlerContext) closeDone() {
-	for {
-		s := c.state.Load()
-		if s&doneClosed != 0 {
-			return
-		}
-		if c.state.CompareAndSwap(s, s|doneClosed) {
-			close(*c.done.Load())
-			return
-		}
+	c.ended = why
+	if c.done != nil {
+		close(c.done)
 	}
 }
 

@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/types/known/anypb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
+	testclock "k8s.io/utils/clock/testing"
 )
 
 // fakeStream is a Subscriber whose subscriptions the test feeds and breaks.
@@ -170,7 +171,8 @@ func TestRunResubscribesWithBackoffAndResyncs(t *testing.T) {
 	var resyncs int
 	var resyncMu sync.Mutex
 	stream := newFakeStream()
-	h := newHarness(t, r, WithConverter(testConverter),
+	clk := &signallingClock{afters: make(chan time.Duration, 1)}
+	h := newHarness(t, r, WithConverter(testConverter), withSignallingClock(clk),
 		WithResubscribe(100*time.Millisecond, 400*time.Millisecond),
 		WithResync(func(ctx context.Context) error {
 			resyncMu.Lock()
@@ -189,7 +191,7 @@ func TestRunResubscribesWithBackoffAndResyncs(t *testing.T) {
 	// Three failed subscriptions in a row: 100, 200, 400 ms apart.
 	for i, wait := range []time.Duration{100, 200, 400, 400} {
 		sub.errs <- errors.New("broken")
-		waitFor(t, h.clock.HasWaiters, "Run waits before re-subscribing")
+		require.Equal(t, wait*time.Millisecond, clk.waitAfter(t), "Run's delay before re-subscribing")
 		h.clock.Step(wait*time.Millisecond - time.Nanosecond)
 		select {
 		case <-stream.newSub:
@@ -204,7 +206,7 @@ func TestRunResubscribesWithBackoffAndResyncs(t *testing.T) {
 	// A subscription that delivers resets the backoff.
 	sub.send(t, envelope(t, "ns", wrapperspb.String("c1")))
 	sub.errs <- errors.New("broken again")
-	waitFor(t, h.clock.HasWaiters, "Run waits")
+	require.Equal(t, 100*time.Millisecond, clk.waitAfter(t), "the delay starts over")
 	h.clock.Step(100 * time.Millisecond)
 	sub = <-stream.newSub
 	sub.send(t, envelope(t, "ns", wrapperspb.String("c2")))
@@ -249,5 +251,40 @@ func TestStreamErrorWinsOverClosedChannel(t *testing.T) {
 			return ch, errs
 		}))
 		require.EqualError(t, <-h.m.Start(), "rpc error: code = Unavailable")
+	}
+}
+
+// signallingClock is the harness's FakeClock, reporting every After call
+// once its waiter is registered: a test steps the clock only when Run waits
+// on it. (HasWaiters cannot tell: the scheduler's timer is a waiter too.)
+type signallingClock struct {
+	*testclock.FakeClock
+	afters chan time.Duration
+}
+
+func (c *signallingClock) After(d time.Duration) <-chan time.Time {
+	ch := c.FakeClock.After(d)
+	c.afters <- d
+	return ch
+}
+
+// withSignallingClock makes the monitor use clk over the harness's clock;
+// newHarness fills in clk.FakeClock.
+func withSignallingClock(clk *signallingClock) Option {
+	return func(c *config) {
+		clk.FakeClock = c.clock.(*testclock.FakeClock)
+		c.clock = clk
+	}
+}
+
+// waitAfter returns the delay of the next After call.
+func (c *signallingClock) waitAfter(t *testing.T) time.Duration {
+	t.Helper()
+	select {
+	case d := <-c.afters:
+		return d
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run did not wait on the clock")
+		return 0
 	}
 }

@@ -59,9 +59,18 @@ func TestRelistRecoversALostStreamEvent(t *testing.T) {
 	pods[0].Containers[0].State = relist.StateExited
 	mu.Unlock()
 	first <- errors.New("connection reset")
-	require.Eventually(t, clk.HasWaiters, 10*time.Second, time.Millisecond)
-	clk.Step(eventmonitor.DefaultResubscribeInitial)
-	<-subs
+	// Step until Run, waiting out its delay, re-subscribes: the clock has
+	// other waiters (the monitor's scheduler), so HasWaiters cannot tell
+	// when Run waits.
+	require.Eventually(t, func() bool {
+		clk.Step(eventmonitor.DefaultResubscribeInitial)
+		select {
+		case <-subs:
+			return true
+		default:
+			return false
+		}
+	}, 10*time.Second, time.Millisecond, "Run re-subscribes once its delay has passed")
 
 	require.Eventually(t, func() bool { mu.Lock(); defer mu.Unlock(); return len(handled) == 2 }, 10*time.Second, time.Millisecond)
 	require.Equal(t, []any{
