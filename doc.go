@@ -11,8 +11,9 @@
 //   - One path per key: no two handler calls for a key ever overlap, not even
 //     when a call overruns its timeout; the key stays held until it returns.
 //   - Parallel and fair: with WithWorkers(n), up to n keys are handled at
-//     once, taking turns, so a slow key never holds up another while a
-//     worker is free.
+//     once, taking turns of at most 32 events while other keys wait, so a
+//     slow or busy key never holds up another for long, and not at all
+//     while a worker is free.
 //   - Exact backoff: a failed event waits in its key's queue; the queue
 //     replays when due, doubling its delay after every failed replay up to a
 //     cap and resetting once the replay succeeds. Due times sit in a heap
