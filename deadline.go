@@ -21,9 +21,9 @@ type handlerContext struct {
 	start   time.Duration // since monitor.epoch
 
 	// In-flight list links and flags, guarded by Monitor.mu.
-	prev, next *handlerContext
-	expired    bool // the deadline passed while the call ran
-	abandoned  bool // Stop gave up waiting for this call
+	link      listLinks[handlerContext]
+	expired   bool // the deadline passed while the call ran
+	abandoned bool // Stop gave up waiting for this call
 
 	// Why the context ended, and its done channel: set together under mu,
 	// so that Err is non-nil exactly when Done is closed.
@@ -99,41 +99,16 @@ func (c *handlerContext) end(why ctxEnd) {
 // timeout, so start order is deadline order: the scheduler only ever needs
 // the oldest call that has not expired yet.
 type callList struct {
-	head, tail *handlerContext
-	n          int
+	linkedList[handlerContext, *handlerContext]
 }
 
-func (l *callList) add(c *handlerContext) {
-	c.prev, c.next = l.tail, nil
-	if l.tail != nil {
-		l.tail.next = c
-	} else {
-		l.head = c
-	}
-	l.tail = c
-	l.n++
-}
-
-func (l *callList) remove(c *handlerContext) {
-	if c.prev != nil {
-		c.prev.next = c.next
-	} else {
-		l.head = c.next
-	}
-	if c.next != nil {
-		c.next.prev = c.prev
-	} else {
-		l.tail = c.prev
-	}
-	c.prev, c.next = nil, nil
-	l.n--
-}
+func (c *handlerContext) links() *listLinks[handlerContext] { return &c.link }
 
 // firstLive returns the oldest call whose deadline has not been reached.
 func (l *callList) firstLive() *handlerContext {
 	c := l.head
 	for c != nil && c.expired {
-		c = c.next
+		c = c.link.next
 	}
 	return c
 }

@@ -160,7 +160,7 @@ func (m *Monitor) handleNext(k *keyState, now time.Duration) (time.Duration, boo
 func (m *Monitor) startCall(key string, now time.Duration) *handlerContext {
 	c := &handlerContext{monitor: m, key: key, start: now}
 	m.rearm(c.deadline()) // a no-op unless the scheduler would wake later
-	m.calls.add(c)
+	m.calls.push(c)
 	return c
 }
 
@@ -284,7 +284,7 @@ func (m *Monitor) report(out outcome) {
 func (m *Monitor) expireCalls(now time.Time) []*handlerContext {
 	var overruns []*handlerContext
 	for c := m.calls.head; c != nil; {
-		next := c.next
+		next := c.link.next
 		if c.deadline().After(now) {
 			break
 		}

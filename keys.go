@@ -69,10 +69,10 @@ type keyState struct {
 	countedEvents    int
 	countedInBackoff bool
 
-	// Links in Monitor.idleKeys while the key is idle.
-	idlePrev, idleNext *keyState
-	listedIdle         bool
+	idleLink listLinks[keyState] // in Monitor.idleKeys while idle
 }
+
+func (k *keyState) links() *listLinks[keyState] { return &k.idleLink }
 
 func (k *keyState) inBackoff() bool {
 	return k.heapIndex >= 0 || k.replayLeft > 0 || k.replayInFlight
@@ -95,7 +95,7 @@ const maxIdleQueue = 256
 // keyFor returns key's state, creating it if needed. mu is held.
 func (m *Monitor) keyFor(key string) *keyState {
 	if k, ok := m.keys[key]; ok {
-		if k.listedIdle {
+		if m.listedIdle(k) {
 			m.idleKeys.remove(k)
 		}
 		return k
@@ -113,7 +113,7 @@ func (m *Monitor) keyFor(key string) *keyState {
 
 // releaseIfIdle lists k as idle if it is. mu is held.
 func (m *Monitor) releaseIfIdle(k *keyState) {
-	if k.listedIdle || !k.idle() {
+	if m.listedIdle(k) || !k.idle() {
 		return
 	}
 	k.due, k.delay, k.replayStarting = time.Time{}, 0, false
@@ -126,6 +126,11 @@ func (m *Monitor) releaseIfIdle(k *keyState) {
 	}
 }
 
+// listedIdle reports whether k is in the idle list. mu is held.
+func (m *Monitor) listedIdle(k *keyState) bool {
+	return k.idleLink.prev != nil || m.idleKeys.head == k
+}
+
 // evictIdle forgets the key that has been idle longest and returns its state
 // for reuse. mu is held.
 func (m *Monitor) evictIdle() *keyState {
@@ -134,38 +139,6 @@ func (m *Monitor) evictIdle() *keyState {
 	delete(m.keys, k.key)
 	k.key = ""
 	return k
-}
-
-// keyList is a doubly linked list of idle keys, oldest first.
-type keyList struct {
-	head, tail *keyState
-	n          int
-}
-
-func (l *keyList) push(k *keyState) {
-	k.idlePrev, k.idleNext, k.listedIdle = l.tail, nil, true
-	if l.tail != nil {
-		l.tail.idleNext = k
-	} else {
-		l.head = k
-	}
-	l.tail = k
-	l.n++
-}
-
-func (l *keyList) remove(k *keyState) {
-	if k.idlePrev != nil {
-		k.idlePrev.idleNext = k.idleNext
-	} else {
-		l.head = k.idleNext
-	}
-	if k.idleNext != nil {
-		k.idleNext.idlePrev = k.idlePrev
-	} else {
-		l.tail = k.idlePrev
-	}
-	k.idlePrev, k.idleNext, k.listedIdle = nil, nil, false
-	l.n--
 }
 
 // recount brings the backoff gauges up to date with k's state after any

@@ -41,7 +41,7 @@ type Monitor struct {
 	busy            int // goroutines Stop waits for: workers, inline exit calls
 	state           runState
 	keys            map[string]*keyState
-	idleKeys        keyList // idle keys still in keys, oldest first
+	idleKeys        linkedList[keyState, *keyState] // idle keys still in keys, oldest first
 	ready           fifo[*keyState]
 	due             dueHeap
 	calls           callList
@@ -344,7 +344,7 @@ func (m *Monitor) stop() {
 	m.cancelIntake()
 	m.mu.Lock()
 	m.state = stateStopped
-	for c := m.calls.head; c != nil; c = c.next {
+	for c := m.calls.head; c != nil; c = c.link.next {
 		c.end(endedCanceled)
 	}
 	m.workAvailable.Broadcast()
