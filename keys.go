@@ -43,7 +43,7 @@ func (it *item) failed(now time.Time, err error) {
 
 // keyState is everything the monitor knows about one key. A key exists in
 // Monitor.keys while it holds events, runs, or is in backoff, and for a while
-// after it goes idle (see idleKeys).
+// after it goes idle (see maxIdleKeys).
 //
 // A key is in exactly one of these places at a time: idle, in the run queue
 // (ready), in a handler call (running), or in the due heap (heapIndex >= 0).
