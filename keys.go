@@ -52,24 +52,26 @@ type keyState struct {
 	key       string
 	queue     fifo[item]
 	running   any // the event in a handler call, nil if none
-	ready     bool
 	heapIndex int
 	due       time.Time
-	delay     time.Duration // current backoff delay; 0 outside backoff
+	delay     time.Duration       // current backoff delay; 0 outside backoff
+	idleLink  listLinks[keyState] // in Monitor.idleKeys while idle
 
 	// replayLeft counts the events at the head of the queue that belong to
 	// the replay in progress; replayInFlight is set while one of them is in
 	// a handler call. When both are done the key leaves backoff.
-	replayLeft     int
-	replayInFlight bool
-	replayStarting bool // the replay's first call is yet to start
+	replayLeft int
 
 	// countedEvents is what this key adds to Monitor.eventsInBackoff, and
 	// countedInBackoff whether it adds to keysInBackoff; recount keeps them.
-	countedEvents    int
-	countedInBackoff bool
+	countedEvents int
 
-	idleLink listLinks[keyState] // in Monitor.idleKeys while idle
+	// The flags sit together so that they share one word: every waiting key
+	// carries this struct.
+	ready            bool
+	replayInFlight   bool
+	replayStarting   bool // the replay's first call is yet to start
+	countedInBackoff bool
 }
 
 func (k *keyState) links() *listLinks[keyState] { return &k.idleLink }
