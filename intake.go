@@ -11,8 +11,8 @@ import (
 
 // intakeBatch is how many envelopes stream intake takes off its channel at
 // once. It converts them one by one without the monitor's lock, then accepts
-// them all under one lock and one worker wake-up: with decoding the only
-// per-envelope work left, intake runs close to the cost of decoding.
+// them all under one lock and one worker wake-up: a burst pays for the lock
+// and the wake-up once, not per envelope.
 const intakeBatch = 128
 
 // maxOrigins bounds the topic and namespace pairs one stream shares trails
