@@ -133,9 +133,8 @@ func (m *Monitor) handleNext(k *keyState, now time.Duration) (time.Duration, boo
 	err := m.invoke(call, it.event)
 	call.end(endedCanceled) // as a deferred cancel would: what the handler started with ctx stops
 	end := m.sinceEpoch()
-	endTime := m.epoch.Add(end)
 	if mt := m.cfg.metrics; mt != nil {
-		m.observe(mt, end-call.start, it, err, endTime) // before taking mu again
+		m.observe(mt, call.start, end, it, err) // before taking mu again
 	}
 
 	m.mu.Lock()
@@ -143,7 +142,7 @@ func (m *Monitor) handleNext(k *keyState, now time.Duration) (time.Duration, boo
 		return end, false // already unlinked and accounted for by abandon
 	}
 	m.calls.remove(call)
-	out := m.complete(k, it, err, endTime)
+	out := m.complete(k, it, err, end)
 	if call.expired {
 		out.overran = end - call.start
 	}
@@ -176,11 +175,12 @@ func (m *Monitor) invoke(ctx *handlerContext, event any) (err error) {
 	return m.handler.HandleEvent(ctx, event)
 }
 
-// observe reports one finished call to the metrics.
-func (m *Monitor) observe(mt Metrics, took time.Duration, it item, err error, now time.Time) {
-	mt.HandlerDone(took, err)
+// observe reports one finished call, which ran from start to end (readings
+// of sinceEpoch), to the metrics.
+func (m *Monitor) observe(mt Metrics, start, end time.Duration, it item, err error) {
+	mt.HandlerDone(end-start, err)
 	if err == nil && it.trail != nil && it.trail.attempts > 0 {
-		mt.Recovered(now.Sub(it.trail.failedAt))
+		mt.Recovered(m.epoch.Add(end).Sub(it.trail.failedAt))
 	}
 }
 
@@ -199,10 +199,10 @@ type outcome struct {
 
 func (o *outcome) needsReport() bool { return o.err != nil || o.overran > 0 }
 
-// complete settles a call that returned at now: on success the replay
-// advances; on failure the event returns to the head of the queue and the
-// key waits, or the monitor gives up on it. mu is held.
-func (m *Monitor) complete(k *keyState, it item, err error, now time.Time) outcome {
+// complete settles a call that returned at end (a reading of sinceEpoch):
+// on success the replay advances; on failure the event returns to the head
+// of the queue and the key waits, or the monitor gives up on it. mu is held.
+func (m *Monitor) complete(k *keyState, it item, err error, end time.Duration) outcome {
 	out := outcome{key: k.key, err: err}
 	k.running = nil
 	wasReplay := k.replayInFlight
@@ -211,7 +211,7 @@ func (m *Monitor) complete(k *keyState, it item, err error, now time.Time) outco
 		m.stats.Handled++
 	} else {
 		m.stats.Failed++
-		it.failed(now, err)
+		it.failed(m.epoch.Add(end), err) // a time only failures need
 		out.topic, out.namespace, out.attempts = it.trail.topic, it.trail.namespace, it.trail.attempts
 		if reason := m.giveUp(it, err); reason != nil {
 			out.drop = &Drop{Key: k.key, Events: []any{it.event}, Reason: reason}

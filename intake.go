@@ -84,6 +84,7 @@ func (in *envelopeIntake) fill(ch <-chan *Envelope) bool {
 func (in *envelopeIntake) flush(ctx context.Context) {
 	m := in.m
 	var refused []converted
+	var drops []Drop
 	m.mu.Lock()
 	for _, c := range in.batch {
 		if c.filtered {
@@ -102,10 +103,7 @@ func (in *envelopeIntake) flush(ctx context.Context) {
 			}
 		}
 		refused = append(refused, c)
-	}
-	drops := make([]Drop, len(refused))
-	for i, c := range refused {
-		drops[i] = m.refuseLocked(c.key, c.event, c.err)
+		drops = append(drops, m.refuseLocked(c.key, c.event, c.err))
 	}
 	m.mu.Unlock()
 	for i, c := range refused {
