@@ -1,11 +1,14 @@
 package eventmonitor
 
 import (
+	"fmt"
+	"sync"
 	"testing"
 
 	"github.com/containerd/typeurl/v2"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 )
@@ -76,4 +79,83 @@ func TestLaterTypeKeyWins(t *testing.T) {
 	key, _, err := conv.Convert(payload(t, wrapperspb.String("x")))
 	require.NoError(t, err)
 	assert.Equal(t, "second", key)
+}
+
+// learnedURLs is what conv decodes without asking typeurl.
+func learnedURLs(conv Converter) map[string]directDecoder {
+	return *conv.(*typeConverter).learned.Load()
+}
+
+func TestConverterLearnsProtobufURLs(t *testing.T) {
+	conv := NewConverter(KeyOf(func(v *wrapperspb.StringValue) string { return v.GetValue() }))
+	p := payload(t, wrapperspb.String("c1"))
+	for range 2 { // through typeurl, then directly: the same result
+		key, event, err := conv.Convert(p)
+		require.NoError(t, err)
+		assert.Equal(t, "c1", key)
+		assert.True(t, proto.Equal(wrapperspb.String("c1"), event.(proto.Message)))
+		assert.Contains(t, learnedURLs(conv), p.GetTypeUrl())
+	}
+	_, event2, err := conv.Convert(p)
+	require.NoError(t, err)
+	_, event3, err := conv.Convert(p)
+	require.NoError(t, err)
+	assert.NotSame(t, event2, event3, "every payload gets its own message")
+}
+
+func TestConverterDecodeErrorIsTheSameLearnedOrNot(t *testing.T) {
+	conv := NewConverter(KeyOf(func(v *wrapperspb.StringValue) string { return v.GetValue() }))
+	valid := payload(t, wrapperspb.String("c1"))
+	truncated := &anypb.Any{TypeUrl: valid.GetTypeUrl(), Value: []byte{0x0a, 0x05, 'a'}}
+	_, _, before := conv.Convert(truncated)
+	_, _, err := conv.Convert(valid)
+	require.NoError(t, err)
+	require.Contains(t, learnedURLs(conv), truncated.TypeUrl)
+	key, event, after := conv.Convert(truncated)
+	require.ErrorIs(t, after, ErrDecode)
+	assert.Equal(t, before.Error(), after.Error())
+	assert.Empty(t, key)
+	assert.Nil(t, event)
+}
+
+func TestConverterLeavesJSONAndUnkeyedTypesToTypeurl(t *testing.T) {
+	conv := NewConverter(KeyOf(func(v *jsonEvent) string { return v.ID }))
+	_, _, err := conv.Convert(payload(t, &jsonEvent{ID: "c2"}))
+	require.NoError(t, err)
+	_, _, err = conv.Convert(payload(t, wrapperspb.String("unkeyed")))
+	require.ErrorIs(t, err, ErrUnsupportedEvent)
+	assert.Empty(t, learnedURLs(conv))
+}
+
+// typeurl resolves a URL by the name after its last "/", so one type has
+// endless URLs: the converter learns a bounded number of them.
+func TestConverterLearnsBoundedURLs(t *testing.T) {
+	conv := NewConverter(KeyOf(func(v *wrapperspb.StringValue) string { return v.GetValue() }))
+	value := payload(t, wrapperspb.String("c1")).GetValue()
+	for i := range maxLearnedURLs + 10 {
+		key, _, err := conv.Convert(&anypb.Any{TypeUrl: fmt.Sprintf("example.com/%d/google.protobuf.StringValue", i), Value: value})
+		require.NoError(t, err)
+		require.Equal(t, "c1", key)
+	}
+	assert.Len(t, learnedURLs(conv), maxLearnedURLs)
+}
+
+func TestConverterLearnsWhileConverting(t *testing.T) {
+	conv := NewConverter(KeyOf(func(v *wrapperspb.StringValue) string { return v.GetValue() }))
+	value := payload(t, wrapperspb.String("c1")).GetValue()
+	var wg sync.WaitGroup
+	for g := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range 50 {
+				url := fmt.Sprintf("example.com/%d/google.protobuf.StringValue", (g+i)%20)
+				key, _, err := conv.Convert(&anypb.Any{TypeUrl: url, Value: value})
+				assert.NoError(t, err)
+				assert.Equal(t, "c1", key)
+			}
+		}()
+	}
+	wg.Wait()
+	assert.Len(t, learnedURLs(conv), 20)
 }
