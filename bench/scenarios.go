@@ -226,6 +226,41 @@ func decodeOnly(payloads []typeurl.Any, n int) float64 {
 	return float64(n) / time.Since(start).Seconds()
 }
 
+// decodeFromChannel is decoding alone as a live feed delivers it: one
+// goroutine sends the payloads on a channel buffered as the envelope path's
+// stream is, another decodes them. events/s.
+func decodeFromChannel(payloads []typeurl.Any, n int) float64 {
+	ch := make(chan typeurl.Any, 128)
+	done := make(chan struct{})
+	start := time.Now()
+	go func() {
+		defer close(done)
+		for p := range ch {
+			if _, err := typeurl.UnmarshalAny(p); err != nil {
+				panic(err)
+			}
+		}
+	}()
+	for i := range n {
+		ch <- payloads[i%len(payloads)]
+	}
+	close(ch)
+	<-done
+	return float64(n) / time.Since(start).Seconds()
+}
+
+// convertOnly is the envelope path's converter alone, events/s.
+func convertOnly(payloads []typeurl.Any, n int) float64 {
+	conv := containerd.Converter()
+	start := time.Now()
+	for i := range n {
+		if _, _, err := conv.Convert(payloads[i%len(payloads)]); err != nil {
+			panic(err)
+		}
+	}
+	return float64(n) / time.Since(start).Seconds()
+}
+
 // envelopePath streams n envelopes through Run, converted by containerd's
 // converter, to a no-op handler: events/s. The stream is buffered as
 // containerd.NewSubscriber buffers it and fed as fast as the monitor takes
