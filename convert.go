@@ -39,8 +39,8 @@ func KeyOf[T any](key func(T) string) TypeKey {
 	}
 }
 
-// maxLearnedURLs bounds the type URLs a converter decodes directly. A type
-// is normally sent under one URL, but typeurl resolves any prefix before the
+// maxLearnedURLs bounds the type URLs a converter remembers. A type is
+// normally sent under one URL, but typeurl resolves any prefix before the
 // last "/", so a stream could otherwise grow the table without end.
 const maxLearnedURLs = 256
 
@@ -52,7 +52,8 @@ type typeConverter struct {
 }
 
 // directDecoder decodes one type URL's payloads as typeurl would, without
-// typeurl's per-payload lookup of the URL and its throwaway instance.
+// typeurl's per-payload lookup of the URL and its throwaway instance. The
+// zero value remembers a URL that typeurl must go on decoding (JSON).
 type directDecoder struct {
 	message reflect.Type // the struct a keyed protobuf pointer type points to
 	key     func(any) string
@@ -83,7 +84,9 @@ func (conv *typeConverter) Convert(payload typeurl.Any) (key string, event any, 
 		return "", nil, fmt.Errorf("%w: nil payload", ErrInvalidEvent)
 	}
 	url := payload.GetTypeUrl()
-	if d, ok := (*conv.learned.Load())[url]; ok {
+	table := *conv.learned.Load()
+	d, learned := table[url]
+	if d.message != nil {
 		msg := reflect.New(d.message).Interface().(proto.Message)
 		if err := proto.Unmarshal(payload.GetValue(), msg); err != nil {
 			return "", nil, decodeError(url, err)
@@ -101,7 +104,9 @@ func (conv *typeConverter) Convert(payload typeurl.Any) (key string, event any, 
 	if !ok {
 		return "", nil, fmt.Errorf("%w: no key for %T (%s)", ErrUnsupportedEvent, event, url)
 	}
-	conv.learn(url, event, keyOf)
+	if !learned && len(table) < maxLearnedURLs {
+		conv.learn(url, event, keyOf)
+	}
 	return keyOf(event), event, nil
 }
 
@@ -109,25 +114,26 @@ func decodeError(url string, err error) error {
 	return fmt.Errorf("%w: type %q: %w", ErrDecode, url, err)
 }
 
-// learn records that url's payloads decode directly into event's type, if
-// typeurl decodes them as protobuf: empty bytes are a valid empty message in
-// protobuf but not in JSON, so typeurl accepting them tells which it uses.
+// learn records whether url's payloads decode directly into event's type:
+// they do if typeurl decodes them as protobuf. Empty bytes are a valid empty
+// message in protobuf but not in JSON, so typeurl accepting them tells which
+// it uses.
 func (conv *typeConverter) learn(url string, event any, keyOf func(any) string) {
-	typ := reflect.TypeOf(event)
-	if _, isProto := event.(proto.Message); !isProto || typ.Kind() != reflect.Pointer {
-		return
-	}
 	conv.mu.Lock()
 	defer conv.mu.Unlock()
 	learned := *conv.learned.Load()
 	if _, ok := learned[url]; ok || len(learned) >= maxLearnedURLs {
 		return
 	}
-	if probe, err := typeurl.UnmarshalByTypeURL(url, nil); err != nil || reflect.TypeOf(probe) != typ {
-		return
+	var d directDecoder
+	typ := reflect.TypeOf(event)
+	if _, isProto := event.(proto.Message); isProto && typ.Kind() == reflect.Pointer {
+		if probe, err := typeurl.UnmarshalByTypeURL(url, nil); err == nil && reflect.TypeOf(probe) == typ {
+			d = directDecoder{message: typ.Elem(), key: keyOf}
+		}
 	}
 	next := make(map[string]directDecoder, len(learned)+1)
 	maps.Copy(next, learned)
-	next[url] = directDecoder{message: typ.Elem(), key: keyOf}
+	next[url] = d
 	conv.learned.Store(&next)
 }

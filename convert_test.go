@@ -94,7 +94,7 @@ func TestConverterLearnsProtobufURLs(t *testing.T) {
 		require.NoError(t, err)
 		assert.Equal(t, "c1", key)
 		assert.True(t, proto.Equal(wrapperspb.String("c1"), event.(proto.Message)))
-		assert.Contains(t, learnedURLs(conv), p.GetTypeUrl())
+		assert.NotNil(t, learnedURLs(conv)[p.GetTypeUrl()].message, "decoded directly from now on")
 	}
 	_, event2, err := conv.Convert(p)
 	require.NoError(t, err)
@@ -110,7 +110,7 @@ func TestConverterDecodeErrorIsTheSameLearnedOrNot(t *testing.T) {
 	_, _, before := conv.Convert(truncated)
 	_, _, err := conv.Convert(valid)
 	require.NoError(t, err)
-	require.Contains(t, learnedURLs(conv), truncated.TypeUrl)
+	require.NotNil(t, learnedURLs(conv)[truncated.TypeUrl].message)
 	key, event, after := conv.Convert(truncated)
 	require.ErrorIs(t, after, ErrDecode)
 	assert.Equal(t, before.Error(), after.Error())
@@ -120,11 +120,17 @@ func TestConverterDecodeErrorIsTheSameLearnedOrNot(t *testing.T) {
 
 func TestConverterLeavesJSONAndUnkeyedTypesToTypeurl(t *testing.T) {
 	conv := NewConverter(KeyOf(func(v *jsonEvent) string { return v.ID }))
-	_, _, err := conv.Convert(payload(t, &jsonEvent{ID: "c2"}))
-	require.NoError(t, err)
-	_, _, err = conv.Convert(payload(t, wrapperspb.String("unkeyed")))
+	p := payload(t, &jsonEvent{ID: "c2", Code: 3})
+	for range 2 {
+		key, event, err := conv.Convert(p)
+		require.NoError(t, err)
+		assert.Equal(t, "c2", key)
+		assert.Equal(t, &jsonEvent{ID: "c2", Code: 3}, event)
+	}
+	assert.Equal(t, map[string]directDecoder{p.GetTypeUrl(): {}}, learnedURLs(conv), "remembered as typeurl's to decode")
+	_, _, err := conv.Convert(payload(t, wrapperspb.String("unkeyed")))
 	require.ErrorIs(t, err, ErrUnsupportedEvent)
-	assert.Empty(t, learnedURLs(conv))
+	assert.Len(t, learnedURLs(conv), 1, "a type without a key is not remembered")
 }
 
 // typeurl resolves a URL by the name after its last "/", so one type has
