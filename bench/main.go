@@ -200,9 +200,9 @@ func envelopeRows(keys []string, n, runs int) []row {
 	// live feed delivers, through a channel, and the converter alone, which
 	// decodes faster than typeurl.UnmarshalAny.
 	fs := []func() float64{
-		func() float64 { return decodeOnly(payloads, n) },
-		func() float64 { return decodeFromChannel(payloads, n) },
-		func() float64 { return convertOnly(payloads, n) },
+		func() float64 { return decodeLoop(payloads, n, unmarshal) },
+		func() float64 { return decodeFromChannel(payloads, n, unmarshal) },
+		func() float64 { return decodeLoop(payloads, n, convert) },
 	}
 	for _, c := range cases {
 		fs = append(fs, func() float64 { return envelopePath(payloads, c.workers, n, c.waiting) })

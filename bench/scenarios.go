@@ -215,28 +215,40 @@ func taskExitPayloads(keys []string) []typeurl.Any {
 	return out
 }
 
-// decodeOnly is the floor of the envelope path: decoding alone, events/s.
-func decodeOnly(payloads []typeurl.Any, n int) float64 {
+// unmarshal is the envelope path's floor: typeurl decoding a payload.
+func unmarshal(p typeurl.Any) error {
+	_, err := typeurl.UnmarshalAny(p)
+	return err
+}
+
+// convert is what the envelope path decodes with: containerd's converter.
+func convert(p typeurl.Any) error {
+	_, _, err := containerd.Converter().Convert(p)
+	return err
+}
+
+// decodeLoop decodes n payloads in a loop: events/s.
+func decodeLoop(payloads []typeurl.Any, n int, decode func(typeurl.Any) error) float64 {
 	start := time.Now()
 	for i := range n {
-		if _, err := typeurl.UnmarshalAny(payloads[i%len(payloads)]); err != nil {
+		if err := decode(payloads[i%len(payloads)]); err != nil {
 			panic(err)
 		}
 	}
 	return float64(n) / time.Since(start).Seconds()
 }
 
-// decodeFromChannel is decoding alone as a live feed delivers it: one
-// goroutine sends the payloads on a channel buffered as the envelope path's
-// stream is, another decodes them. events/s.
-func decodeFromChannel(payloads []typeurl.Any, n int) float64 {
+// decodeFromChannel decodes n payloads as a live feed delivers them: one
+// goroutine sends them on a channel buffered as the envelope path's stream
+// is, another decodes them. events/s.
+func decodeFromChannel(payloads []typeurl.Any, n int, decode func(typeurl.Any) error) float64 {
 	ch := make(chan typeurl.Any, 128)
 	done := make(chan struct{})
 	start := time.Now()
 	go func() {
 		defer close(done)
 		for p := range ch {
-			if _, err := typeurl.UnmarshalAny(p); err != nil {
+			if err := decode(p); err != nil {
 				panic(err)
 			}
 		}
@@ -249,23 +261,11 @@ func decodeFromChannel(payloads []typeurl.Any, n int) float64 {
 	return float64(n) / time.Since(start).Seconds()
 }
 
-// convertOnly is the envelope path's converter alone, events/s.
-func convertOnly(payloads []typeurl.Any, n int) float64 {
-	conv := containerd.Converter()
-	start := time.Now()
-	for i := range n {
-		if _, _, err := conv.Convert(payloads[i%len(payloads)]); err != nil {
-			panic(err)
-		}
-	}
-	return float64(n) / time.Since(start).Seconds()
-}
-
 // envelopePath streams n envelopes through Run, converted by containerd's
 // converter, to a no-op handler: events/s. The stream is buffered as
 // containerd.NewSubscriber buffers it and fed as fast as the monitor takes
 // envelopes or, if waiting, holds every envelope before the clock starts
-// (as decodeOnly's payloads are ready), leaving out the feeder's cost.
+// (as the decode loop's payloads are ready), leaving out the feeder's cost.
 func envelopePath(payloads []typeurl.Any, workers, n int, waiting bool) float64 {
 	var handled atomic.Int64
 	done := make(chan struct{})
