@@ -4,6 +4,8 @@ import (
 	"context"
 	"sync"
 	"time"
+
+	"github.com/containerd/log"
 )
 
 // handlerContext is the context of one handler call. Its deadline is driven
@@ -78,7 +80,16 @@ func (c *handlerContext) Err() error {
 	return c.ended.err()
 }
 
-func (c *handlerContext) Value(key any) any { return c.monitor.base.Value(key) }
+// Value answers from the monitor's base context, except that the logger it
+// carries comes back with the call's key as a field: log.G(ctx) in a
+// handler says which key it is handling.
+func (c *handlerContext) Value(key any) any {
+	v := c.monitor.base.Value(key)
+	if logger, ok := v.(*log.Entry); ok {
+		return logger.WithField("key", c.key)
+	}
+	return v
+}
 
 func (c *handlerContext) String() string { return "eventmonitor.handlerContext(" + c.key + ")" }
 

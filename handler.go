@@ -8,7 +8,8 @@ import (
 // Handler handles one typed event.
 type Handler interface {
 	// HandleEvent handles one typed event. ctx carries the per-event timeout
-	// and is cancelled when HandleEvent returns. A non-nil error (or a panic)
+	// and is cancelled when HandleEvent returns; log.G(ctx) is the monitor's
+	// logger with the event's key as a field. A non-nil error (or a panic)
 	// sends the event to its key's backoff queue.
 	HandleEvent(ctx context.Context, event any) error
 }

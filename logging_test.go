@@ -3,9 +3,11 @@ package eventmonitor
 import (
 	"context"
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
+	"github.com/containerd/log"
 	"github.com/sirupsen/logrus"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -131,4 +133,21 @@ func TestEventsOfOneOriginCountTheirOwnAttempts(t *testing.T) {
 	assert.Equal(t, 1, lines[2].Data["attempt"])
 	assert.Equal(t, "/tasks/exit", lines[2].Data["topic"])
 	assert.Equal(t, "k8s.io", lines[2].Data["namespace"])
+}
+
+// A handler logging through log.G(ctx) writes to the monitor's logger, with
+// the key it is handling.
+func TestHandlerLogsWithItsKey(t *testing.T) {
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, event any) error {
+		log.G(ctx).WithField("event", event.(ev).Seq).Info("handling")
+		assert.Contains(t, fmt.Sprint(ctx), event.(ev).Key, "the context names its key")
+		return nil
+	}))
+	h.submit(t, ev{"c1", 1}, ev{"c2", 2})
+	h.settled(t)
+	lines := h.entries("handling")
+	require.Len(t, lines, 2)
+	for _, line := range lines {
+		assert.Equal(t, map[int]string{1: "c1", 2: "c2"}[line.Data["event"].(int)], line.Data["key"])
+	}
 }
