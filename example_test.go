@@ -193,3 +193,80 @@ func ExampleMonitor_Shutdown() {
 	// shutdown: <nil> dropped: 0
 	// submit after shutdown: eventmonitor: monitor stopped
 }
+
+// A converter keys each event type by its own field; payloads of other types
+// are refused with ErrUnsupportedEvent, for the drop handler.
+func ExampleNewConverter() {
+	conv := eventmonitor.NewConverter(
+		eventmonitor.KeyOf(func(e *wrapperspb.StringValue) string { return e.GetValue() }),
+		eventmonitor.KeyOf(func(e *wrapperspb.Int64Value) string { return fmt.Sprint("pid-", e.GetValue()) }),
+	)
+	for _, v := range []any{wrapperspb.String("c1"), wrapperspb.Int64(42), wrapperspb.Bool(true)} {
+		payload, err := typeurl.MarshalAnyToProto(v)
+		if err != nil {
+			panic(err)
+		}
+		key, event, err := conv.Convert(payload)
+		fmt.Printf("%q %T %v\n", key, event, errors.Is(err, eventmonitor.ErrUnsupportedEvent))
+	}
+	// Output:
+	// "c1" *wrapperspb.StringValue false
+	// "pid-42" *wrapperspb.Int64Value false
+	// "" <nil> true
+}
+
+// ConverterFunc fits a converter of one's own, here one that takes a single
+// event type and prefixes its keys.
+func ExampleConverterFunc() {
+	conv := eventmonitor.ConverterFunc(func(payload typeurl.Any) (string, any, error) {
+		event := &wrapperspb.StringValue{}
+		if err := typeurl.UnmarshalTo(payload, event); err != nil {
+			return "", nil, fmt.Errorf("%w: %w", eventmonitor.ErrUnsupportedEvent, err)
+		}
+		return "container/" + event.GetValue(), event, nil
+	})
+	for _, v := range []any{wrapperspb.String("c1"), wrapperspb.Int64(42)} {
+		payload, err := typeurl.MarshalAnyToProto(v)
+		if err != nil {
+			panic(err)
+		}
+		key, _, err := conv.Convert(payload)
+		fmt.Printf("%q %v\n", key, errors.Is(err, eventmonitor.ErrUnsupportedEvent))
+	}
+	// Output:
+	// "container/c1" false
+	// "" true
+}
+
+// A failed event waits in its key's backoff queue, and later events of the
+// key wait behind it; other keys go on. Forget hands a gone object's events
+// back to the caller.
+func ExampleMonitor_Submit() {
+	failed := make(chan struct{})
+	m, err := eventmonitor.New(eventmonitor.HandlerFunc(func(ctx context.Context, event any) error {
+		if event == "c1 start" {
+			close(failed)
+			return errors.New("shim not answering")
+		}
+		fmt.Println("handled", event)
+		return nil
+	}), eventmonitor.WithBackoff(time.Hour, time.Hour))
+	if err != nil {
+		panic(err)
+	}
+	defer m.Stop()
+
+	_ = m.Submit("c1", "c1 start")
+	<-failed
+	_ = m.Submit("c1", "c1 stop")
+	for deadline := time.Now().Add(10 * time.Second); !m.InBackoff("c1") && time.Now().Before(deadline); {
+		time.Sleep(time.Millisecond) // until the worker has settled the failure
+	}
+	for _, p := range m.Pending() {
+		fmt.Println("waiting:", p.Key, p.Events, "after", p.Attempts, "attempt")
+	}
+	fmt.Println("forgotten:", m.Forget("c1"))
+	// Output:
+	// waiting: c1 [c1 start c1 stop] after 1 attempt
+	// forgotten: [c1 start c1 stop]
+}
