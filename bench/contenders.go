@@ -18,7 +18,7 @@ type event struct {
 }
 
 // handleFunc is the work each contender does per event.
-type handleFunc func(e *event) error
+type handleFunc func(ctx context.Context, e *event) error
 
 // settings are what every contender gets, scaled equally.
 type settings struct {
@@ -26,6 +26,23 @@ type settings struct {
 	initialBackoff time.Duration
 	maxBackoff     time.Duration
 	tick           time.Duration // the serial loop's scan period; containerd's is 1 s
+	// callTimeout, if set, makes the peers give each call a deadline with
+	// context.WithTimeout, as containerd's CRI monitor does. eventmonitor
+	// always gives one (its default handle timeout, 10 s).
+	callTimeout time.Duration
+}
+
+// peerCalls returns h as a peer calls it: with a fresh context.WithTimeout
+// per call if s asks for deadlines, else with a context that never ends.
+func peerCalls(h handleFunc, s settings) func(*event) error {
+	if s.callTimeout == 0 {
+		return func(e *event) error { return h(context.Background(), e) }
+	}
+	return func(e *event) error {
+		ctx, cancel := context.WithTimeout(context.Background(), s.callTimeout)
+		defer cancel()
+		return h(ctx, e)
+	}
 }
 
 // contender is one way to turn events into ordered, per-key handling with
@@ -47,7 +64,7 @@ type monitorContender struct{ m *eventmonitor.Monitor }
 
 func newMonitor(h handleFunc, s settings) contender {
 	m, err := eventmonitor.New(
-		eventmonitor.HandlerFunc(func(_ context.Context, e any) error { return h(e.(*event)) }),
+		eventmonitor.HandlerFunc(func(ctx context.Context, e any) error { return h(ctx, e.(*event)) }),
 		eventmonitor.WithWorkers(s.workers),
 		eventmonitor.WithBackoff(s.initialBackoff, s.maxBackoff),
 		eventmonitor.WithDropHandler(func(eventmonitor.Drop) {}))
@@ -87,7 +104,7 @@ type workqueueContender struct {
 	queue workqueue.TypedRateLimitingInterface[string]
 	mu    sync.Mutex
 	fifo  map[string][]*event
-	h     handleFunc
+	h     func(*event) error
 	wg    sync.WaitGroup
 }
 
@@ -96,7 +113,7 @@ func newWorkqueue(h handleFunc, s settings) contender {
 		queue: workqueue.NewTypedRateLimitingQueue(
 			workqueue.NewTypedItemExponentialFailureRateLimiter[string](s.initialBackoff, s.maxBackoff)),
 		fifo: map[string][]*event{},
-		h:    h,
+		h:    peerCalls(h, s),
 	}
 	for range s.workers {
 		c.wg.Add(1)
@@ -184,7 +201,7 @@ type serialContender struct {
 	ops      chan func()
 	quit     chan struct{}
 	done     chan struct{}
-	h        handleFunc
+	h        func(*event) error
 	s        settings
 	backoffs map[string]*serialQueue
 }
@@ -201,7 +218,7 @@ func newSerial(h handleFunc, s settings) contender {
 		ops:      make(chan func()),
 		quit:     make(chan struct{}),
 		done:     make(chan struct{}),
-		h:        h,
+		h:        peerCalls(h, s),
 		s:        s,
 		backoffs: map[string]*serialQueue{},
 	}

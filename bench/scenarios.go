@@ -29,16 +29,17 @@ func keyNames(n int) []string {
 }
 
 // fastPath submits n events over keys as fast as the contender takes them
-// to a no-op handler: events/s, and heap allocations per event.
-func fastPath(newC newContender, workers, n int, keys []string) (rate, allocs float64) {
+// to a no-op handler: events/s, and heap allocations per event. A non-zero
+// callTimeout makes the peers give each call a deadline too.
+func fastPath(newC newContender, workers, n int, keys []string, callTimeout time.Duration) (rate, allocs float64) {
 	var handled atomic.Int64
 	done := make(chan struct{})
-	c := newC(func(*event) error {
+	c := newC(func(context.Context, *event) error {
 		if handled.Add(1) == int64(n) {
 			close(done)
 		}
 		return nil
-	}, settings{workers: workers, initialBackoff: time.Second, maxBackoff: 5 * time.Minute, tick: time.Second})
+	}, settings{workers: workers, initialBackoff: time.Second, maxBackoff: 5 * time.Minute, tick: time.Second, callTimeout: callTimeout})
 	defer c.stop()
 	evs := make([]*event, len(keys))
 	for i, k := range keys {
@@ -86,7 +87,7 @@ func (l *latencies) percentile(p float64) time.Duration {
 func headOfLine(newC newContender, workers, rate int, keys []string, d time.Duration, slow bool) (p50, p99 time.Duration) {
 	lat := &latencies{d: make([]time.Duration, 0, rate*int(d/time.Second+1))}
 	var outstanding sync.WaitGroup
-	c := newC(func(e *event) error {
+	c := newC(func(_ context.Context, e *event) error {
 		if e.key == "slow" {
 			time.Sleep(50 * time.Millisecond) // the slow key's handling takes 50 ms
 		} else {
@@ -131,7 +132,7 @@ func backoffAtScale(newC newContender, keys []string, idle time.Duration) (cpu t
 	for i, k := range keys {
 		evs[i] = &event{key: k}
 	}
-	c := newC(func(*event) error { return errFail },
+	c := newC(func(context.Context, *event) error { return errFail },
 		settings{workers: 4, initialBackoff: time.Hour, maxBackoff: 2 * time.Hour, tick: time.Second})
 	defer c.stop()
 	before := heapInUse()
@@ -176,7 +177,7 @@ func retryPrecision(newC newContender, keys []string, delay time.Duration) (p50,
 	lat := &latencies{}
 	var retried sync.WaitGroup
 	retried.Add(len(keys))
-	c := newC(func(e *event) error {
+	c := newC(func(_ context.Context, e *event) error {
 		mu.Lock()
 		at, failed := failedAt[e.key]
 		if !failed {
