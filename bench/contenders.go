@@ -26,9 +26,10 @@ type settings struct {
 	initialBackoff time.Duration
 	maxBackoff     time.Duration
 	tick           time.Duration // the serial loop's scan period; containerd's is 1 s
-	// callTimeout, if set, makes the peers give each call a deadline with
-	// context.WithTimeout, as containerd's CRI monitor does. eventmonitor
-	// always gives one (its default handle timeout, 10 s).
+	// callTimeout, if set, is every call's deadline: the peers make one per
+	// call with context.WithTimeout, as containerd's CRI monitor does, and
+	// eventmonitor uses it as its handle timeout. Unset, the peers give no
+	// deadline and eventmonitor its default one (10 s): it always has one.
 	callTimeout time.Duration
 }
 
@@ -63,11 +64,16 @@ type newContender func(h handleFunc, s settings) contender
 type monitorContender struct{ m *eventmonitor.Monitor }
 
 func newMonitor(h handleFunc, s settings) contender {
-	m, err := eventmonitor.New(
-		eventmonitor.HandlerFunc(func(ctx context.Context, e any) error { return h(ctx, e.(*event)) }),
+	opts := []eventmonitor.Option{
 		eventmonitor.WithWorkers(s.workers),
 		eventmonitor.WithBackoff(s.initialBackoff, s.maxBackoff),
-		eventmonitor.WithDropHandler(func(eventmonitor.Drop) {}))
+		eventmonitor.WithDropHandler(func(eventmonitor.Drop) {}),
+	}
+	if s.callTimeout > 0 {
+		opts = append(opts, eventmonitor.WithHandleTimeout(s.callTimeout))
+	}
+	m, err := eventmonitor.New(
+		eventmonitor.HandlerFunc(func(ctx context.Context, e any) error { return h(ctx, e.(*event)) }), opts...)
 	if err != nil {
 		panic(err)
 	}

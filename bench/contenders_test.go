@@ -31,8 +31,12 @@ func TestContendersKeepOrderThroughRetries(t *testing.T) {
 				seq := map[*event]int{}
 				all := make(chan struct{})
 				contender := c.new(func(ctx context.Context, e *event) error {
-					if _, ok := ctx.Deadline(); ok != (timed || c.name == "eventmonitor") {
-						t.Errorf("call with a deadline: %v, want %v", ok, !ok)
+					deadline, ok := ctx.Deadline()
+					if want := timed || c.name == "eventmonitor"; ok != want {
+						t.Errorf("call with a deadline: %v, want %v", ok, want)
+					}
+					if timed && time.Until(deadline) <= s.callTimeout/2 {
+						t.Errorf("deadline %v away, want the %v asked for", time.Until(deadline), s.callTimeout)
 					}
 					mu.Lock()
 					defer mu.Unlock()
