@@ -53,6 +53,12 @@ func FuzzEnvelopeIntake(f *testing.F) {
 	})
 }
 
+// maxFuzzOps bounds the operations one input runs. The model is checked
+// after every operation in time linear in its length, so a long input would
+// cost quadratic time, while a few hundred operations already reach every
+// state the code has.
+const maxFuzzOps = 512
+
 // FuzzDueHeap checks the backoff heap against a sorted list: pushes with
 // arbitrary due times, removals from the middle (Forget) and pops of the
 // minimum (a replay becoming due), in any order.
@@ -60,6 +66,7 @@ func FuzzDueHeap(f *testing.F) {
 	f.Add([]byte{0, 5, 0, 3, 0, 9, 2, 0, 1, 1, 2, 0})
 	f.Add([]byte{0, 1, 0, 1, 0, 1, 1, 0, 2, 2, 2})
 	f.Fuzz(func(t *testing.T, ops []byte) {
+		ops = ops[:min(len(ops), 2*maxFuzzOps)] // an operation and its argument
 		var h dueHeap
 		var model []*keyState // sorted by due
 		for i := 0; i+1 < len(ops); i += 2 {
@@ -106,6 +113,7 @@ func FuzzFifo(f *testing.F) {
 	f.Add([]byte{0, 0, 0, 2, 1, 2, 2, 0, 2})
 	f.Add([]byte{1, 1, 1, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2, 2})
 	f.Fuzz(func(t *testing.T, ops []byte) {
+		ops = ops[:min(len(ops), maxFuzzOps)]
 		var q fifo[int]
 		var model []int
 		for i, op := range ops {
