@@ -28,6 +28,7 @@ func TestContendersKeepOrderThroughRetries(t *testing.T) {
 				var mu sync.Mutex
 				failed := map[*event]bool{}
 				handled := map[string][]int{}
+				handledAll := 0
 				seq := map[*event]int{}
 				all := make(chan struct{})
 				contender := c.new(func(ctx context.Context, e *event) error {
@@ -46,11 +47,7 @@ func TestContendersKeepOrderThroughRetries(t *testing.T) {
 						return errFail
 					}
 					handled[e.key] = append(handled[e.key], n)
-					total := 0
-					for _, h := range handled {
-						total += len(h)
-					}
-					if total == keys*perKey {
+					if handledAll++; handledAll == keys*perKey {
 						close(all)
 					}
 					return nil

@@ -30,7 +30,7 @@ func keyNames(n int) []string {
 
 // fastPath submits n events over keys as fast as the contender takes them
 // to a no-op handler: events/s, and heap allocations per event. A non-zero
-// callTimeout makes the peers give each call a deadline too.
+// callTimeout is every contender's deadline per call (see settings).
 func fastPath(newC newContender, workers, n int, keys []string, callTimeout time.Duration) (rate, allocs float64) {
 	var handled atomic.Int64
 	done := make(chan struct{})
