@@ -68,7 +68,7 @@ func (m *Monitor) wait(k *keyState) {
 func (m *Monitor) startReplay(k *keyState) {
 	m.due.remove(k)
 	k.replayLeft = k.queue.len()
-	k.replayStarting = true
+	k.replayStarting, k.replayProgressed = true, false
 	m.stats.Retried++
 	m.recount(k)
 	m.schedule(k)

@@ -55,16 +55,37 @@ func TestReplayStopsAtFirstFailureAndKeepsTheRest(t *testing.T) {
 	h.clock.Step(time.Second)
 	waitFor(t, func() bool { return h.m.Stats().Failed == 2 }, "a/3 fails in the replay")
 	h.settled(t)
-	// The replay handled a/1 and a/2, stopped at a/3, kept a/3 and a/4, and
-	// doubled the delay.
+	// The replay handled a/1 and a/2, stopped at a/3 and kept a/3 and a/4.
+	// It made progress, so a/3 waits the initial delay, not a doubled one.
 	assert.Equal(t, anys(evs("a", 1, 2)...), r.handledList())
 	p := h.pending("a")
 	assert.Equal(t, anys(evs("a", 3, 4)...), p.Events)
-	assert.Equal(t, h.clock.Now().Add(2*time.Second), p.Due)
+	assert.Equal(t, h.clock.Now().Add(time.Second), p.Due)
 
-	h.clock.Step(2 * time.Second)
+	h.clock.Step(time.Second)
 	waitFor(t, func() bool { return len(r.handledList()) == 4 }, "second replay succeeds")
 	assert.Equal(t, anys(evs("a", 1, 2, 3, 4)...), r.handledList())
+}
+
+// Only a replay that fails on the event that failed before doubles the
+// delay; one that handled events first starts over at the initial delay,
+// and doubles again from there if it then makes no progress.
+func TestDelayDoublesOnlyWithoutProgress(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithBackoff(time.Second, time.Minute))
+	r.fail(ev{"a", 1}, 2) // fails, then fails its first replay: 1 s, then 2 s
+	r.fail(ev{"a", 2}, 2) // after a/1 succeeds: 1 s (progress), then 2 s (none)
+	h.submit(t, evs("a", 1, 2, 3)...)
+
+	for i, want := range []time.Duration{1, 2, 1, 2} {
+		waitFor(t, func() bool { return h.m.Stats().Failed == uint64(i+1) }, "failure %d", i+1)
+		h.settled(t)
+		p := h.pending("a")
+		require.Equal(t, want*time.Second, p.Due.Sub(h.clock.Now()), "delay after failure %d", i+1)
+		h.clock.Step(p.Due.Sub(h.clock.Now()))
+	}
+	waitFor(t, func() bool { return len(r.handledList()) == 3 }, "all handled")
+	assert.Equal(t, anys(evs("a", 1, 2, 3)...), r.handledList())
 }
 
 func TestDelayDoublesAndCaps(t *testing.T) {

@@ -2,13 +2,18 @@ package eventmonitor
 
 import (
 	"context"
+	"errors"
+	"math/rand/v2"
 	"runtime"
 	"strconv"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/containerd/log"
 	"github.com/containerd/typeurl/v2"
+	"github.com/sirupsen/logrus"
+	logtest "github.com/sirupsen/logrus/hooks/test"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 )
 
@@ -187,4 +192,47 @@ func BenchmarkFifoSlidingWindow(b *testing.B) {
 			}
 		})
 	}
+}
+
+// BenchmarkBurstDrain submits a burst over 200 keys to a handler that fails
+// 20 % of its calls at random, with a real clock and a backoff of 10 ms
+// doubling to 1 s, and times until every event is handled: how fast keys
+// with a backlog recover under independent failures.
+func BenchmarkBurstDrain(b *testing.B) {
+	const keys, perKey, failRate = 200, 20, 0.2
+	var replays uint64
+	for range b.N {
+		var handled atomic.Int64
+		done := make(chan struct{})
+		m, err := New(HandlerFunc(func(context.Context, any) error {
+			if rand.Float64() < failRate {
+				return errors.New("flaky")
+			}
+			if handled.Add(1) == keys*perKey {
+				close(done)
+			}
+			return nil
+		}), WithWorkers(4), WithBackoff(10*time.Millisecond, time.Second), WithLogger(quietLogger()))
+		if err != nil {
+			b.Fatal(err)
+		}
+		for seq := range perKey {
+			for k := range keys {
+				if err := m.Submit("container-"+strconv.Itoa(k), seq); err != nil {
+					b.Fatal(err)
+				}
+			}
+		}
+		<-done
+		replays += m.Stats().Retried
+		m.Stop()
+	}
+	b.ReportMetric(float64(replays)/float64(b.N), "replays/op")
+	b.ReportMetric(keys*perKey, "events/op")
+}
+
+// quietLogger discards every line: a benchmark's failures are on purpose.
+func quietLogger() *log.Entry {
+	logger, _ := logtest.NewNullLogger()
+	return logrus.NewEntry(logger)
 }

@@ -30,9 +30,17 @@ type TypeKey struct {
 	key func(event any) string
 }
 
+// Type is the Go type the key is for, such as *events.TaskExit. Helpers
+// use it to ask a runtime for only the events a converter keys (see the
+// containerd module's Filters).
+func (k TypeKey) Type() reflect.Type { return k.typ }
+
 // KeyOf keys events of type T (the type typeurl unmarshals to, usually a
-// pointer such as *events.TaskExit) with key.
+// pointer such as *events.TaskExit) with key. A nil key panics at once.
 func KeyOf[T any](key func(T) string) TypeKey {
+	if key == nil {
+		panic(fmt.Sprintf("eventmonitor: KeyOf[%v] with a nil key function", reflect.TypeFor[T]()))
+	}
 	return TypeKey{
 		typ: reflect.TypeFor[T](),
 		key: func(event any) string { return key(event.(T)) },
@@ -61,8 +69,8 @@ type directDecoder struct {
 
 // NewConverter returns a Converter that unmarshals as typeurl.UnmarshalAny
 // does and keys the result by its Go type. A payload whose type URL typeurl
-// does not know, or whose type has no TypeKey, is ErrUnsupportedEvent; bytes
-// that do not unmarshal are ErrDecode. A later TypeKey for the same type wins.
+// does not know, or whose type has no TypeKey, is ErrUnsupportedEvent (the
+// monitor ignores it); bytes that do not unmarshal are ErrDecode (a drop). A later TypeKey for the same type wins.
 //
 // Once typeurl has resolved a type URL to a keyed protobuf type, the
 // converter unmarshals that URL's payloads into the type directly, which
@@ -70,9 +78,14 @@ type directDecoder struct {
 // typeurl before their events arrive, as package init functions do: a
 // registration that changes what an already-seen URL resolves to is not
 // noticed.
+//
+// A zero TypeKey (not made by KeyOf) panics at once.
 func NewConverter(keys ...TypeKey) Converter {
 	conv := &typeConverter{keys: make(map[reflect.Type]func(any) string, len(keys))}
-	for _, k := range keys {
+	for i, k := range keys {
+		if k.typ == nil || k.key == nil {
+			panic(fmt.Sprintf("eventmonitor: NewConverter: TypeKey %d is zero (make it with KeyOf)", i))
+		}
 		conv.keys[k.typ] = k.key
 	}
 	conv.learned.Store(&map[string]directDecoder{})

@@ -12,19 +12,22 @@ import (
 // by the monitor's clock through the scheduler's single timer, rather than by
 // context.WithTimeout, for two reasons: a FakeClock then controls handler
 // timeouts as it controls retries, and a call costs one small allocation
-// (72 bytes) instead of a cancelCtx, a timerCtx and a runtime timer. To stay
-// small it holds no parent (values come from the monitor's base context), no
-// event (the key's state holds it during the call), and its start as an
-// offset from the monitor's epoch (the deadline is the start plus the one
-// timeout); the done channel is made only if the handler asks for it.
+// instead of a cancelCtx, a timerCtx and a runtime timer. To stay small it
+// holds no parent (values come from the monitor's base context) and its
+// start as an offset from the monitor's epoch (the deadline is the start
+// plus the one timeout); the done channel is made only if the handler asks
+// for it.
 type handlerContext struct {
 	monitor *Monitor
 	key     string
+	item    item          // the event being handled, with its trail
 	start   time.Duration // since monitor.epoch
 
 	// In-flight list links and flags, guarded by Monitor.mu.
 	link      listLinks[handlerContext]
+	pooled    bool // run by a worker, which may be replaced if it overruns
 	expired   bool // the deadline passed while the call ran
+	replaced  bool // a new worker took this call's worker's place
 	abandoned bool // Stop gave up waiting for this call
 
 	// Why the context ended, and its done channel: set together under mu,

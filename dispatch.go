@@ -45,10 +45,11 @@ func (m *Monitor) nextReady() (k *keyState, waited bool) {
 	}
 }
 
-// worker runs ready keys until Stop. It reads the clock once per call: the
-// reading taken when a call returns also starts the next call, unless the
-// worker slept in between. The next call's deadline is then early by the
-// bookkeeping between the two (stricter, never later than asked).
+// worker runs ready keys until Stop, or until a call it runs overruns its
+// deadline and a new worker takes its place. It reads the clock once per
+// call: the reading taken when a call returns also starts the next call,
+// unless the worker slept in between. The next call's deadline is then early
+// by the bookkeeping between the two (stricter, never later than asked).
 func (m *Monitor) worker() {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -56,17 +57,22 @@ func (m *Monitor) worker() {
 	for first := true; ; first = false {
 		k, waited := m.nextReady()
 		if k == nil {
-			m.busy--
-			m.signalProgress()
+			m.leave()
 			return
 		}
 		if waited || first {
 			now = m.sinceEpoch()
 		}
 		for turn := 1; ; turn++ {
-			var ok bool
-			if now, ok = m.handleNext(k, now); !ok {
-				return // Stop abandoned this goroutine's call; it no longer counts
+			var fate callFate
+			now, fate = m.handleNext(k, now, true)
+			switch fate {
+			case callAbandoned:
+				return // Stop gave up on this goroutine; it no longer counts
+			case callReplaced:
+				m.handBack(k)
+				m.leave()
+				return
 			}
 			if !m.mayContinue(k, turn) {
 				break
@@ -74,6 +80,12 @@ func (m *Monitor) worker() {
 		}
 		m.handBack(k)
 	}
+}
+
+// leave is the last thing a goroutine Stop waits for does. mu is held.
+func (m *Monitor) leave() {
+	m.busy--
+	m.signalProgress()
 }
 
 // maxTurn is how many events in a row a worker handles for one key while
@@ -98,13 +110,24 @@ func (m *Monitor) handBack(k *keyState) {
 	}
 }
 
+// callFate is what the goroutine that ran a call does next.
+type callFate uint8
+
+const (
+	callSettled   callFate = iota // the outcome is settled: go on
+	callReplaced                  // settled, but another worker took this one's place while it overran: exit
+	callAbandoned                 // Stop gave up waiting for the call: exit without touching the monitor
+)
+
 // handleNext runs the head of k's queue on the calling goroutine, started at
 // now, and settles the outcome; the caller then runs k on or hands it back.
-// mu is held on entry and on return; it is released around the handler call
-// and any logging or drop callbacks. It returns the clock's reading when the
-// handler returned, and false if Stop abandoned the call while it ran. Both
-// readings count from the monitor's epoch (see sinceEpoch).
-func (m *Monitor) handleNext(k *keyState, now time.Duration) (time.Duration, bool) {
+// pooled says whether the caller is a worker (which is replaced if the call
+// overruns) rather than an exit watcher. mu is held on entry and on return;
+// it is released around the handler call and any logging or drop callbacks.
+// It returns the clock's reading when the handler returned, and what the
+// calling goroutine does next. Both readings count from the monitor's epoch
+// (see sinceEpoch).
+func (m *Monitor) handleNext(k *keyState, now time.Duration, pooled bool) (time.Duration, callFate) {
 	wasReplay := k.replayLeft > 0
 	var starting *retry
 	if k.replayStarting && wasReplay {
@@ -122,8 +145,8 @@ func (m *Monitor) handleNext(k *keyState, now time.Duration) (time.Duration, boo
 	}
 	m.recount(k)
 	m.signalProgress() // stream intake may be waiting for the room this frees
-	k.running = it.event
-	call := m.startCall(k.key, now)
+	call := m.startCall(k.key, it, now, pooled)
+	k.running = call
 	m.mu.Unlock()
 
 	if starting != nil {
@@ -139,9 +162,15 @@ func (m *Monitor) handleNext(k *keyState, now time.Duration) (time.Duration, boo
 
 	m.mu.Lock()
 	if call.abandoned {
-		return end, false // already unlinked and accounted for by abandon
+		return end, callAbandoned // already unlinked and accounted for by abandon
 	}
 	m.calls.remove(call)
+	if call.expired {
+		m.overrunning--
+	}
+	if call.replaced {
+		m.replaced--
+	}
 	out := m.complete(k, it, err, end)
 	if call.expired {
 		out.overran = end - call.start
@@ -151,13 +180,30 @@ func (m *Monitor) handleNext(k *keyState, now time.Duration) (time.Duration, boo
 		m.report(out)
 		m.mu.Lock()
 	}
-	return end, true
+	if call.replaced && !m.takeOverSeat() {
+		return end, callReplaced
+	}
+	return end, callSettled
 }
 
-// startCall registers a call starting at now and returns its context. mu is
-// held.
-func (m *Monitor) startCall(key string, now time.Duration) *handlerContext {
-	c := &handlerContext{monitor: m, key: key, start: now}
+// takeOverSeat lets a worker whose overrunning call returned stay on in
+// place of a worker held by another overrunning call that the bound left
+// unreplaced. It reports whether there was one. mu is held.
+func (m *Monitor) takeOverSeat() bool {
+	for c := m.calls.head; c != nil && c.expired; c = c.link.next {
+		if c.pooled && !c.replaced && m.state != stateStopped {
+			c.replaced = true
+			m.replaced++
+			return true
+		}
+	}
+	return false
+}
+
+// startCall registers a call of it starting at now and returns its
+// context. mu is held.
+func (m *Monitor) startCall(key string, it item, now time.Duration, pooled bool) *handlerContext {
+	c := &handlerContext{monitor: m, key: key, item: it, start: now, pooled: pooled}
 	m.rearm(c.deadline()) // a no-op unless the scheduler would wake later
 	m.calls.push(c)
 	return c
@@ -209,12 +255,14 @@ func (m *Monitor) complete(k *keyState, it item, err error, end time.Duration) o
 	k.replayInFlight = false
 	if err == nil {
 		m.stats.Handled++
+		k.replayProgressed = k.replayProgressed || wasReplay
 	} else {
 		m.stats.Failed++
 		it.failed(m.epoch.Add(end), err) // a time only failures need
 		out.topic, out.namespace, out.attempts = it.trail.topic, it.trail.namespace, it.trail.attempts
 		if reason := m.giveUp(it, err); reason != nil {
-			out.drop = &Drop{Key: k.key, Events: []any{it.event}, Reason: reason}
+			d := it.drop(k.key, reason)
+			out.drop = &d
 			m.stats.Dropped++
 		} else {
 			m.requeue(k, it, wasReplay)
@@ -238,19 +286,21 @@ func (m *Monitor) giveUp(it item, err error) error {
 }
 
 // requeue puts a failed event back at the head of its key's queue and makes
-// the key wait: the initial delay after a fresh failure, double the last one
-// after a failed replay. A key that Backoff put in the heap while this call
-// ran keeps its due time. mu is held.
+// the key wait. A replay that failed on the very event that failed before
+// made no progress: its delay doubles. Any other failure, a fresh one or a
+// replay that handled events before failing on a later one, waits the
+// initial delay: under independent failures a key with a backlog then keeps
+// moving instead of crawling at one event per maximum delay. A key that
+// Backoff put in the heap while this call ran keeps its due time. mu is held.
 func (m *Monitor) requeue(k *keyState, it item, wasReplay bool) {
 	k.queue.pushFront(it)
 	m.queued++
 	if k.heapIndex >= 0 {
 		return
 	}
-	switch {
-	case wasReplay:
+	if wasReplay && !k.replayProgressed {
 		k.delay = nextDelay(k.delay, m.cfg.maxBackoff)
-	case k.delay == 0:
+	} else {
 		k.delay = m.cfg.initialBackoff
 	}
 	k.replayLeft = 0 // the events behind it wait with it
@@ -278,11 +328,20 @@ func (m *Monitor) report(out outcome) {
 	}
 }
 
-// expireCalls cancels the contexts of calls whose deadline has passed and,
-// once Stop is waiting, abandons them. It returns the calls that newly
-// overran, for logging outside mu. mu is held.
-func (m *Monitor) expireCalls(now time.Time) []*handlerContext {
-	var overruns []*handlerContext
+// overrun is a call that passed its deadline, as its log line tells it.
+type overrun struct {
+	key      string
+	started  time.Time
+	replaced bool // a new worker took its worker's place
+	limited  bool // a worker's call, not replaced: WithMaxOverruns was reached
+}
+
+// expireCalls cancels the contexts of calls whose deadline has passed,
+// replaces the workers stuck in them while the monitor runs, and, once Stop
+// is waiting, abandons them. It returns the calls that newly overran, for
+// logging outside mu. mu is held.
+func (m *Monitor) expireCalls(now time.Time) []overrun {
+	var overruns []overrun
 	for c := m.calls.head; c != nil; {
 		next := c.link.next
 		if c.deadline().After(now) {
@@ -290,8 +349,21 @@ func (m *Monitor) expireCalls(now time.Time) []*handlerContext {
 		}
 		if !c.expired {
 			c.expired = true
+			m.overrunning++
 			c.end(endedDeadline)
-			overruns = append(overruns, c)
+			o := overrun{key: c.key, started: c.started()}
+			if c.pooled && m.state != stateStopped {
+				if m.replaced < m.cfg.maxOverruns {
+					c.replaced, o.replaced = true, true
+					m.replaced++
+					m.busy++
+					go m.worker()
+				} else {
+					o.limited = true
+				}
+			}
+			overruns = append(overruns, o)
+			m.signalProgress() // Shutdown no longer waits for this call
 		}
 		if m.state == stateStopped {
 			m.abandon(c)
@@ -307,20 +379,26 @@ func (m *Monitor) expireCalls(now time.Time) []*handlerContext {
 func (m *Monitor) abandon(c *handlerContext) {
 	c.abandoned = true
 	m.calls.remove(c)
+	m.overrunning--
+	if c.replaced {
+		m.replaced--
+	}
 	m.busy--
+	m.abandonedCalls++
 	m.stats.Dropped++
-	m.abandonedDrops = append(m.abandonedDrops, Drop{
-		Key:    c.key,
-		Events: []any{m.keys[c.key].running},
-		Reason: fmt.Errorf("%w: handler still running at its deadline, abandoned", ErrStopped),
-	})
+	m.abandonedDrops = append(m.abandonedDrops, c.item.drop(c.key,
+		fmt.Errorf("%w: handler still running at its deadline, abandoned", ErrStopped)))
 	m.signalProgress()
 }
 
-func (m *Monitor) reportOverruns(calls []*handlerContext, now time.Time) {
-	for _, c := range calls {
-		m.cfg.logger.WithFields(log.Fields{"key": c.key, "running": now.Sub(c.started())}).
-			Warn("event handler overran its timeout; its key stays held until it returns")
+func (m *Monitor) reportOverruns(overruns []overrun, now time.Time) {
+	for _, o := range overruns {
+		entry := m.cfg.logger.WithFields(log.Fields{"key": o.key, "running": now.Sub(o.started), "replaced": o.replaced})
+		entry.Warn("event handler overran its timeout; its key stays held until it returns")
+		if o.limited {
+			entry.WithField("limit", m.cfg.maxOverruns).
+				Error("too many handler calls overrunning their timeout (WithMaxOverruns): this one keeps its worker")
+		}
 	}
 }
 

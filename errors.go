@@ -6,7 +6,9 @@ import "errors"
 // one of these, so callers test them with errors.Is.
 var (
 	// ErrUnsupportedEvent: the payload's type has no key (no TypeKey for it)
-	// or its type URL is not registered with typeurl.
+	// or its type URL is not registered with typeurl. A converter returns it
+	// for events that are not the monitor's to handle: stream intake counts
+	// them in Stats.Ignored, not as drops.
 	ErrUnsupportedEvent = errors.New("eventmonitor: unsupported event type")
 	// ErrInvalidEvent: a nil envelope, payload or event, an empty or oversized
 	// key, or a key function that panicked.
@@ -25,8 +27,9 @@ var (
 	ErrInvalidOption = errors.New("eventmonitor: invalid option")
 	// ErrNoConverter: envelope intake needs WithConverter.
 	ErrNoConverter = errors.New("eventmonitor: no converter (use WithConverter)")
-	// ErrNotSubscribed: Start was called before Subscribe.
-	ErrNotSubscribed = errors.New("eventmonitor: Start called before Subscribe")
+	// ErrAlreadyRunning: a Run or Start's reader is already reading a stream;
+	// one stream is read at a time, so that no event is handled twice.
+	ErrAlreadyRunning = errors.New("eventmonitor: a stream is already being read (one Run or Start at a time)")
 	// ErrStreamClosed: the subscriber closed its stream without an error.
 	ErrStreamClosed = errors.New("eventmonitor: event stream closed")
 )

@@ -30,8 +30,19 @@ const UnknownExitCode = 255
 // closed when the exit was handled or queued, when ctx ends (the exit is
 // then not handled), or when the monitor stops. An exit that arrives as the
 // monitor stops goes to the drop handler with ErrStopped.
+//
+// A nil m, exitCh or event is a programming error: WatchExit panics at once
+// rather than in its goroutine or never.
 func WatchExit[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh <-chan S,
 	event func(code uint32, exitedAt time.Time) any) <-chan struct{} {
+	switch {
+	case m == nil:
+		panic("eventmonitor: WatchExit with a nil Monitor")
+	case exitCh == nil:
+		panic("eventmonitor: WatchExit with a nil exit channel")
+	case event == nil:
+		panic("eventmonitor: WatchExit with a nil event builder")
+	}
 	done := make(chan struct{})
 	m.mu.Lock()
 	if m.state == stateStopped {
@@ -108,9 +119,8 @@ func (m *Monitor) handleExit(key string, build func(uint32, time.Time) any, code
 		return
 	}
 	m.busy++
-	if _, ok := m.handleNext(k, m.sinceEpoch()); ok {
+	if _, fate := m.handleNext(k, m.sinceEpoch(), false); fate != callAbandoned {
 		m.handBack(k)
-		m.busy--
-		m.signalProgress()
+		m.leave()
 	}
 }

@@ -2,6 +2,7 @@ package eventmonitor
 
 import (
 	"context"
+	"fmt"
 	"reflect"
 )
 
@@ -36,8 +37,16 @@ func NewMux() *Mux {
 }
 
 // On routes events of type T to fn, replacing an earlier route for T. T is
-// the exact dynamic type (usually a pointer such as *events.TaskExit).
+// the exact dynamic type (usually a pointer such as *events.TaskExit). A nil
+// m or fn is a programming error: On panics at once, as http.HandleFunc
+// does, rather than when the first event arrives.
 func On[T any](m *Mux, fn func(ctx context.Context, event T) error) {
+	if m == nil || m.routes == nil {
+		panic("eventmonitor: On with a nil Mux (make it with NewMux)")
+	}
+	if fn == nil {
+		panic(fmt.Sprintf("eventmonitor: On[%v] with a nil function", reflect.TypeFor[T]()))
+	}
 	m.routes[reflect.TypeFor[T]()] = func(ctx context.Context, event any) error {
 		return fn(ctx, event.(T))
 	}

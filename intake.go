@@ -37,7 +37,12 @@ type converted struct {
 	event    any
 	err      error // why it cannot be accepted
 	filtered bool  // of another namespace: counted, not accepted
+	ignored  bool  // of a type the converter does not key: counted, not accepted
 }
+
+// maxIgnoredURLs bounds the type URLs a monitor remembers having ignored, to
+// log each once.
+const maxIgnoredURLs = 256
 
 func (m *Monitor) newIntake() *envelopeIntake {
 	return &envelopeIntake{
@@ -57,6 +62,7 @@ func (in *envelopeIntake) add(env *Envelope) {
 			c.filtered = true
 		} else {
 			c.key, c.event, c.err = in.m.convert(env.Event)
+			c.ignored = errors.Is(c.err, ErrUnsupportedEvent)
 		}
 	}
 	in.batch = append(in.batch, c)
@@ -83,13 +89,21 @@ func (in *envelopeIntake) fill(ch <-chan *Envelope) bool {
 // hands what cannot be accepted to the drop handler with the reason.
 func (in *envelopeIntake) flush(ctx context.Context) {
 	m := in.m
-	var refused []converted
+	var refused, newlyIgnored []converted
 	var drops []Drop
 	m.mu.Lock()
 	for _, c := range in.batch {
 		if c.filtered {
 			m.stats.Received++
 			m.stats.Filtered++
+			continue
+		}
+		if c.ignored {
+			m.stats.Received++
+			m.stats.Ignored++
+			if m.firstIgnored(c.env.Event.GetTypeUrl()) {
+				newlyIgnored = append(newlyIgnored, c)
+			}
 			continue
 		}
 		if c.err == nil {
@@ -103,9 +117,18 @@ func (in *envelopeIntake) flush(ctx context.Context) {
 			}
 		}
 		refused = append(refused, c)
-		drops = append(drops, m.refuseLocked(c.key, c.event, c.err))
+		d := m.refuseLocked(c.key, c.event, c.err)
+		if c.env != nil {
+			d.Topic, d.Namespace = c.env.Topic, c.env.Namespace
+		}
+		drops = append(drops, d)
 	}
 	m.mu.Unlock()
+	for _, c := range newlyIgnored {
+		m.cfg.logger.WithFields(log.Fields{"topic": c.env.Topic, "namespace": c.env.Namespace,
+			"type": c.env.Event.GetTypeUrl()}).WithError(c.err).
+			Debug("ignoring events of a type the converter has no key for; logged once per type")
+	}
 	for i, c := range refused {
 		if c.env != nil {
 			m.cfg.logger.WithFields(log.Fields{"topic": c.env.Topic, "namespace": c.env.Namespace, "key": c.key}).
@@ -115,6 +138,19 @@ func (in *envelopeIntake) flush(ctx context.Context) {
 	}
 	clear(in.batch) // let the GC have the envelopes
 	in.batch = in.batch[:0]
+}
+
+// firstIgnored reports whether url is ignored for the first time, up to
+// maxIgnoredURLs. mu is held.
+func (m *Monitor) firstIgnored(url string) bool {
+	if m.ignoredURLs[url] || len(m.ignoredURLs) >= maxIgnoredURLs {
+		return false
+	}
+	if m.ignoredURLs == nil {
+		m.ignoredURLs = make(map[string]bool)
+	}
+	m.ignoredURLs[url] = true
+	return true
 }
 
 // trail returns a trail naming env's topic and namespace, shared by every

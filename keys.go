@@ -27,6 +27,15 @@ func (it item) attempts() int {
 	return it.trail.attempts
 }
 
+// drop is a Drop of this event alone, saying where it came from.
+func (it item) drop(key string, reason error) Drop {
+	d := Drop{Key: key, Events: []any{it.event}, Reason: reason}
+	if it.trail != nil {
+		d.Topic, d.Namespace = it.trail.topic, it.trail.namespace
+	}
+	return d
+}
+
 // failed records one more failed call, returning err at now.
 func (it *item) failed(now time.Time, err error) {
 	if it.trail == nil {
@@ -51,7 +60,7 @@ func (it *item) failed(now time.Time, err error) {
 type keyState struct {
 	key       string
 	queue     fifo[item]
-	running   any // the event in a handler call, nil if none
+	running   *handlerContext // the call handling the key's event, nil if none
 	heapIndex int
 	due       time.Time
 	delay     time.Duration       // current backoff delay; 0 outside backoff
@@ -71,6 +80,7 @@ type keyState struct {
 	ready            bool
 	replayInFlight   bool
 	replayStarting   bool // the replay's first call is yet to start
+	replayProgressed bool // the replay in progress has handled an event
 	countedInBackoff bool
 }
 

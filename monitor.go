@@ -39,6 +39,9 @@ type Monitor struct {
 	progressWaiters int
 	idleWorkers     int
 	busy            int // goroutines Stop waits for: workers, inline exit calls
+	overrunning     int // calls past their deadline, still running
+	replaced        int // of those, calls whose worker a new one replaced
+	abandonedCalls  int // calls Stop gave up waiting for
 	state           runState
 	keys            map[string]*keyState
 	idleKeys        linkedList[keyState, *keyState] // idle keys still in keys, oldest first
@@ -52,7 +55,10 @@ type Monitor struct {
 	eventsInBackoff int
 	stats           Stats // counters only; gauges are filled in by Stats()
 	abandonedDrops  []Drop
-	subscribed      *subscription
+	subscribed      *subscription   // by Subscribe, for Start
+	reading         bool            // a Run or Start's reader is reading a stream
+	lifetimes       []chan error    // bare Starts' channels, closed by Stop
+	ignoredURLs     map[string]bool // type URLs ignored so far, for logging once
 
 	intake        context.Context // ends when Stop or Shutdown begins
 	cancelIntake  context.CancelFunc
@@ -204,24 +210,24 @@ func (m *Monitor) Forget(key string) []any {
 		m.due.remove(k)
 	}
 	k.replayLeft, k.replayStarting = 0, false
-	events := m.takeEvents(k)
+	var events []any
+	for _, it := range m.takeItems(k) {
+		events = append(events, it.event)
+	}
 	m.stats.Forgotten += uint64(len(events))
 	m.releaseIfIdle(k)
 	return events
 }
 
-// takeEvents empties k's queue and returns its events. mu is held.
-func (m *Monitor) takeEvents(k *keyState) []any {
-	if k.queue.len() == 0 {
-		return nil
-	}
-	events := make([]any, 0, k.queue.len())
+// takeItems empties k's queue and returns what it held. mu is held.
+func (m *Monitor) takeItems(k *keyState) []item {
+	items := slices.Clone(k.queue.all())
 	for k.queue.len() > 0 {
-		events = append(events, k.queue.pop().event)
+		k.queue.pop()
 	}
-	m.queued -= len(events)
+	m.queued -= len(items)
 	m.recount(k)
-	return events
+	return items
 }
 
 // Pending is one key's backoff queue as Pending() saw it.
@@ -258,17 +264,22 @@ func (m *Monitor) Pending() []Pending {
 //
 // Every event accepted is counted once in Received and ends in exactly one
 // of Handled, Dropped, Forgotten, or the gauges Queued, EventsInBackoff and
-// InFlight; envelopes of other namespaces are Received and Filtered.
+// InFlight; envelopes of other namespaces are Received and Filtered, and
+// envelopes of a type the converter has no key for are Received and Ignored.
 type Stats struct {
 	// Received: every envelope read and every accepted Submit or Backoff;
-	// Filtered: envelopes of other namespaces; Handled: successful handler
-	// calls; Failed: failed ones (panics too); Retried: backoff replays
-	// started; Dropped: events handed to the drop handler; Forgotten: events
-	// returned by Forget; Resubscribed: Run's re-subscriptions.
-	Received, Filtered, Handled, Failed, Retried, Dropped, Forgotten, Resubscribed uint64
-	// InFlight: handler calls running; Queued: events waiting for a worker;
+	// Filtered: envelopes of other namespaces; Ignored: envelopes whose type
+	// the converter does not key (ErrUnsupportedEvent), which are not ours
+	// to handle and so not drops; Handled: successful handler calls; Failed:
+	// failed ones (panics too); Retried: backoff replays started; Dropped:
+	// events handed to the drop handler; Forgotten: events returned by
+	// Forget; Resubscribed: Run's re-subscriptions.
+	Received, Filtered, Ignored, Handled, Failed, Retried, Dropped, Forgotten, Resubscribed uint64
+	// InFlight: handler calls running, Overrunning among them; Overrunning:
+	// calls past their handle timeout that have not returned (each holds its
+	// key; see WithMaxOverruns); Queued: events waiting for a worker;
 	// KeysInBackoff, EventsInBackoff: keys and events waiting or replaying.
-	InFlight, Queued, KeysInBackoff, EventsInBackoff int
+	InFlight, Overrunning, Queued, KeysInBackoff, EventsInBackoff int
 }
 
 // Stats returns a consistent snapshot of the counters and gauges.
@@ -277,6 +288,7 @@ func (m *Monitor) Stats() Stats {
 	defer m.mu.Unlock()
 	s := m.stats
 	s.InFlight = m.calls.n
+	s.Overrunning = m.overrunning
 	s.Queued = m.queued - m.eventsInBackoff
 	s.KeysInBackoff = m.keysInBackoff
 	s.EventsInBackoff = m.eventsInBackoff
@@ -288,7 +300,32 @@ func (m *Monitor) Stats() Stats {
 type Drop struct {
 	Key    string
 	Events []any // nil when the envelope could not be decoded
-	Reason error // wraps ErrUnsupportedEvent, ErrDecode, ErrInvalidEvent, ErrMaxAttempts, ErrQueueFull or ErrStopped
+	Reason error // wraps ErrDecode, ErrInvalidEvent, ErrMaxAttempts, ErrQueueFull or ErrStopped
+	// Topic and Namespace are the envelope's, for events that came from the
+	// stream; "" for events from Submit, Backoff and WatchExit.
+	Topic, Namespace string
+}
+
+// String says what was dropped, where it came from and why, for a log line
+// a person can act on.
+func (d Drop) String() string {
+	var b strings.Builder
+	switch n := len(d.Events); {
+	case n == 0:
+		b.WriteString("dropped an envelope that did not become an event")
+	case n == 1:
+		b.WriteString("dropped 1 event")
+	default:
+		fmt.Fprintf(&b, "dropped %d events", n)
+	}
+	if d.Key != "" {
+		fmt.Fprintf(&b, " of key %q", d.Key)
+	}
+	if d.Topic != "" || d.Namespace != "" {
+		fmt.Fprintf(&b, " (topic %q, namespace %q)", d.Topic, d.Namespace)
+	}
+	fmt.Fprintf(&b, ": %v", d.Reason)
+	return b.String()
 }
 
 // dropLocked counts a drop and returns it for emit, which runs without mu.
@@ -325,7 +362,11 @@ func (m *Monitor) emit(d Drop) {
 
 func logDrop(l *log.Entry) func(Drop) {
 	return func(d Drop) {
-		l.WithField("key", d.Key).WithField("events", len(d.Events)).WithError(d.Reason).Warn("event dropped")
+		fields := log.Fields{"key": d.Key, "events": len(d.Events)}
+		if d.Topic != "" || d.Namespace != "" {
+			fields["topic"], fields["namespace"] = d.Topic, d.Namespace
+		}
+		l.WithFields(fields).WithError(d.Reason).Warn("event dropped")
 	}
 }
 
@@ -369,10 +410,10 @@ func (m *Monitor) stop() {
 			m.due.remove(k)
 		}
 		k.replayLeft, k.replayInFlight, k.replayStarting = 0, false, false // an abandoned call's key is done too
-		if events := m.takeEvents(k); len(events) > 0 {
-			drops = append(drops, m.dropLocked(key, events, ErrStopped))
-		}
+		drops = append(drops, m.dropByOrigin(key, m.takeItems(k), ErrStopped)...)
 	}
+	lifetimes := m.lifetimes
+	m.lifetimes = nil
 	m.mu.Unlock()
 	close(m.quit)
 	<-m.schedulerDone
@@ -380,7 +421,36 @@ func (m *Monitor) stop() {
 	for _, d := range drops {
 		m.emit(d)
 	}
+	for _, ch := range lifetimes {
+		close(ch)
+	}
 	close(m.stopped)
+}
+
+// dropByOrigin drops a key's events, one Drop for each run of events that
+// came from the same topic and namespace, so that every Drop says where its
+// events came from. mu is held.
+func (m *Monitor) dropByOrigin(key string, items []item, reason error) []Drop {
+	var drops []Drop
+	for len(items) > 0 {
+		first := items[0].drop(key, reason)
+		n := 1
+		for n < len(items) {
+			if d := items[n].drop(key, reason); d.Topic != first.Topic || d.Namespace != first.Namespace {
+				break
+			}
+			n++
+		}
+		events := make([]any, n)
+		for i := range n {
+			events[i] = items[i].event
+		}
+		d := m.dropLocked(key, events, reason)
+		d.Topic, d.Namespace = first.Topic, first.Namespace
+		drops = append(drops, d)
+		items = items[n:]
+	}
+	return drops
 }
 
 // waitProgress waits on the progress condition. mu is held.
@@ -393,8 +463,15 @@ func (m *Monitor) waitProgress() {
 // Shutdown stops intake (Submit returns ErrStopped from now on), handles
 // everything queued, replays every backoff queue once at once, then Stops.
 // An event that fails during the shutdown, or is still waiting when ctx
-// ends, goes to the drop handler with ErrStopped. It returns ctx's error if
-// ctx ended before everything was handled.
+// ends, goes to the drop handler with ErrStopped.
+//
+// A handler call that overruns its timeout does not hold Shutdown up: once
+// everything else is handled and only such calls (and the events of their
+// keys) are left, Shutdown stops, and Stop abandons them at their deadline
+// as it always does. Shutdown therefore returns within about one handle
+// timeout of the drain's end, whatever ctx. It returns ctx's error if ctx
+// ended before everything was handled, and an error wrapping ErrStopped if
+// it had to abandon calls that never returned.
 func (m *Monitor) Shutdown(ctx context.Context) error {
 	m.cancelIntake()
 	m.mu.Lock()
@@ -410,15 +487,40 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 		m.progress.Broadcast()
 		m.mu.Unlock()
 	})
-	for m.state == stateDraining && ctx.Err() == nil && (m.queued > 0 || m.calls.n > 0) {
+	for m.state == stateDraining && ctx.Err() == nil && m.drainable() {
 		m.waitProgress()
 	}
 	drained := m.queued == 0 && m.calls.n == 0
 	m.mu.Unlock()
 	stopWaking()
 	m.Stop()
-	if !drained && ctx.Err() != nil {
-		return fmt.Errorf("eventmonitor: shutdown: %w", ctx.Err())
+	if drained {
+		return nil
+	}
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("eventmonitor: shutdown: %w", err)
+	}
+	m.mu.Lock()
+	abandoned := m.abandonedCalls
+	m.mu.Unlock()
+	if abandoned > 0 {
+		return fmt.Errorf("%w: shutdown abandoned %d handler calls that overran their timeout", ErrStopped, abandoned)
 	}
 	return nil
+}
+
+// drainable reports whether a drain can still make progress: a call within
+// its deadline is running, or an event is queued that is not held behind a
+// call past its deadline. mu is held.
+func (m *Monitor) drainable() bool {
+	if m.calls.n > m.overrunning {
+		return true
+	}
+	held := 0
+	for c := m.calls.head; c != nil; c = c.link.next {
+		if c.expired {
+			held += m.keys[c.key].queue.len()
+		}
+	}
+	return m.queued > held
 }

@@ -23,6 +23,7 @@ type config struct {
 	jitter          float64
 	workers         int
 	handleTimeout   time.Duration
+	maxOverruns     int
 	maxAttempts     int
 	maxQueuedPerKey int
 	intakeLimit     int
@@ -43,6 +44,7 @@ const (
 	DefaultResubscribeInitial = 100 * time.Millisecond
 	DefaultResubscribeMax     = 30 * time.Second
 	DefaultIntakeLimit        = 4096
+	DefaultMaxOverruns        = 64
 )
 
 func defaultConfig() config {
@@ -52,6 +54,7 @@ func defaultConfig() config {
 		maxBackoff:     DefaultMaxBackoff,
 		workers:        1,
 		handleTimeout:  DefaultHandleTimeout,
+		maxOverruns:    DefaultMaxOverruns,
 		intakeLimit:    DefaultIntakeLimit,
 		resubInitial:   DefaultResubscribeInitial,
 		resubMax:       DefaultResubscribeMax,
@@ -85,7 +88,22 @@ func WithJitter(fraction float64) Option { return func(c *config) { c.jitter = f
 func WithWorkers(n int) Option { return func(c *config) { c.workers = n } }
 
 // WithHandleTimeout sets the deadline on every handler call's context.
+//
+// A call that overruns it (a handler that ignores its ctx, say a hung shim
+// call) is logged, and keeps its key held until it really returns: nothing
+// else of that key runs beside it. Its worker does not stay with it: a new
+// worker takes its place, so the other keys keep moving (see
+// WithMaxOverruns). When the call returns, its outcome is settled as usual.
 func WithHandleTimeout(d time.Duration) Option { return func(c *config) { c.handleTimeout = d } }
+
+// WithMaxOverruns bounds how many handler calls past their timeout may have
+// their worker replaced at once (default DefaultMaxOverruns). A stuck call
+// costs a goroutine until it returns; the bound keeps a handler that hangs
+// on every call from growing goroutines without end. Past it, an overrunning
+// call keeps its worker (logged at error level): with every worker held,
+// handling waits until a call returns. Stats().Overrunning counts the calls
+// past their timeout. 0 never replaces a worker.
+func WithMaxOverruns(n int) Option { return func(c *config) { c.maxOverruns = n } }
 
 // WithMaxAttempts gives up on an event after n failed handler calls and hands
 // it to the drop handler with ErrMaxAttempts. 0 (the default) retries forever.
@@ -112,8 +130,17 @@ func WithResubscribe(initial, max time.Duration) Option {
 	return func(c *config) { c.resubInitial, c.resubMax = initial, max }
 }
 
-// WithResync sets a hook that Run calls after every re-subscription, so the
-// embedding runtime can relist what the broken stream missed.
+// WithResync sets a hook that Run calls once per outage, so the embedding
+// runtime can relist what the broken stream missed. After the stream broke,
+// Run re-subscribes until a subscription is established (it delivered an
+// event, or was not refused within the initial resubscribe delay) and then
+// calls fn, with a context that ends with that subscription, beside the
+// reading of it. Attempts refused while the runtime is down call nothing.
+//
+// A window remains: the runtime may register the new subscriber a little
+// after accepting it (containerd: a few milliseconds), and an event published
+// in between reaches neither the stream nor, if the change is undone before
+// fn lists, the resync. A periodic relist (relist.Relister.Run) closes it.
 func WithResync(fn func(ctx context.Context) error) Option {
 	return func(c *config) { c.resync = fn }
 }
@@ -140,6 +167,9 @@ func (c *config) validate() error {
 	}
 	if c.handleTimeout <= 0 {
 		bad("handle timeout %v: want > 0", c.handleTimeout)
+	}
+	if c.maxOverruns < 0 {
+		bad("max overruns %d: want >= 0", c.maxOverruns)
 	}
 	if c.maxAttempts < 0 {
 		bad("max attempts %d: want >= 0", c.maxAttempts)

@@ -3,6 +3,7 @@ package eventmonitor
 import (
 	"context"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/containerd/typeurl/v2"
@@ -31,24 +32,44 @@ func (f SubscriberFunc) Subscribe(ctx context.Context, filters ...string) (<-cha
 	return f(ctx, filters...)
 }
 
+// subscription is one stream opened on a Subscriber.
 type subscription struct {
-	ch   <-chan *Envelope
-	errs <-chan error
+	ch     <-chan *Envelope
+	errs   <-chan error
+	cancel context.CancelFunc // ends the stream
 }
 
 // Subscribe subscribes to s for Start, as containerd's CRI monitor does. The
-// subscription lasts until Stop or Shutdown.
+// subscription lasts until Stop or Shutdown. A second Subscribe before Start
+// replaces the first, whose stream is ended.
 func (m *Monitor) Subscribe(s Subscriber, filters ...string) {
-	ch, errs := s.Subscribe(m.intake, filters...)
+	if s == nil {
+		panic("eventmonitor: Subscribe with a nil Subscriber")
+	}
+	ctx, cancel := context.WithCancel(m.intake)
+	ch, errs := s.Subscribe(ctx, filters...)
 	m.mu.Lock()
-	m.subscribed = &subscription{ch: ch, errs: errs}
+	previous := m.subscribed
+	m.subscribed = &subscription{ch: ch, errs: errs, cancel: cancel}
 	m.mu.Unlock()
+	if previous != nil {
+		previous.cancel() // never started: nobody would read it
+	}
 }
 
-// Start reads the stream opened by Subscribe. The returned channel delivers
-// the stream's error, if it breaks, and is closed when reading ends (on a
-// stream error, or on Stop or Shutdown). Without a converter it delivers
-// ErrNoConverter; before Subscribe, ErrNotSubscribed; after Stop, ErrStopped.
+// Start reads the stream opened by Subscribe, as containerd's CRI monitor
+// does. The returned channel delivers the stream's error, if it breaks, and
+// is closed when reading ends (on a stream error, or on Stop or Shutdown).
+// The monitor itself goes on after a stream error: Submit, WatchExit and
+// backoff replays keep working until Stop.
+//
+// Without Subscribe, Start reads nothing and its channel stays open until
+// Stop, so that it can stand for the monitor's lifetime as containerd's
+// podsandbox controller uses it; no converter is needed then.
+//
+// The channel delivers ErrStopped after Stop or Shutdown began,
+// ErrNoConverter for a subscription without WithConverter, and
+// ErrAlreadyRunning while a Run or another Start is reading a stream.
 func (m *Monitor) Start() <-chan error {
 	errCh := make(chan error, 1)
 	m.mu.Lock()
@@ -58,15 +79,23 @@ func (m *Monitor) Start() <-chan error {
 	switch {
 	case m.state != stateRunning:
 		err = ErrStopped
+	case sub == nil:
+		m.lifetimes = append(m.lifetimes, errCh)
+		m.mu.Unlock()
+		return errCh
 	case m.cfg.converter == nil:
 		err = ErrNoConverter
-	case sub == nil:
-		err = ErrNotSubscribed
+	case m.reading:
+		err = ErrAlreadyRunning
 	default:
+		m.reading = true
 		m.goroutines.Add(1)
 	}
 	m.mu.Unlock()
 	if err != nil {
+		if sub != nil {
+			sub.cancel()
+		}
 		errCh <- err
 		close(errCh)
 		return errCh
@@ -74,7 +103,10 @@ func (m *Monitor) Start() <-chan error {
 	go func() {
 		defer m.goroutines.Done()
 		defer close(errCh)
-		if _, err := m.consume(m.intake, sub); err != nil && m.intake.Err() == nil {
+		defer m.doneReading() // before the close: a Run waiting on errCh may start at once
+		_, err := m.consume(m.intake, sub, nil)
+		sub.cancel()
+		if err != nil && m.intake.Err() == nil {
 			m.cfg.logger.WithError(err).Error("event stream failed")
 			errCh <- err
 		}
@@ -82,12 +114,23 @@ func (m *Monitor) Start() <-chan error {
 	return errCh
 }
 
+// doneReading lets another Run or Start read a stream.
+func (m *Monitor) doneReading() {
+	m.mu.Lock()
+	m.reading = false
+	m.mu.Unlock()
+}
+
 // Run subscribes to s and handles its events until ctx ends. When the stream
 // breaks it re-subscribes after a backoff (WithResubscribe), reset once a
-// subscription delivers an event, and calls the WithResync hook after every
-// re-subscription so that what the broken stream missed can be relisted.
-// It returns nil when ctx ends, ErrStopped if the monitor stops first. Run
-// returning does not stop the monitor: call Shutdown or Stop.
+// subscription delivers an event, and calls the WithResync hook once the
+// new subscription is established, so that what the broken stream missed
+// can be relisted.
+//
+// One stream is read at a time: while a Run or Start's reader is reading,
+// Run returns ErrAlreadyRunning at once. Run may be called again after it
+// returned. It returns nil when ctx ends, ErrStopped if the monitor stops
+// first. Run returning does not stop the monitor: call Shutdown or Stop.
 func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) error {
 	if s == nil {
 		return fmt.Errorf("%w: Run needs a subscriber", ErrInvalidOption)
@@ -95,21 +138,26 @@ func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) erro
 	if m.cfg.converter == nil {
 		return ErrNoConverter
 	}
+	m.mu.Lock()
+	switch {
+	case m.state != stateRunning:
+		m.mu.Unlock()
+		return ErrStopped
+	case m.reading:
+		m.mu.Unlock()
+		return ErrAlreadyRunning
+	}
+	m.reading = true
+	m.mu.Unlock()
+	defer m.doneReading()
+
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	defer context.AfterFunc(m.intake, cancel)()
 
 	delay := m.cfg.resubInitial
-	for subscribed := false; ; subscribed = true {
-		subCtx, cancelSub := context.WithCancel(runCtx)
-		ch, errs := s.Subscribe(subCtx, filters...)
-		if subscribed && m.cfg.resync != nil {
-			if err := m.cfg.resync(subCtx); err != nil {
-				m.cfg.logger.WithError(err).Warn("resync after re-subscription failed")
-			}
-		}
-		delivered, err := m.consume(subCtx, &subscription{ch: ch, errs: errs})
-		cancelSub()
+	for outage := false; ; outage = true {
+		delivered, err := m.runOnce(runCtx, s, filters, outage)
 		if runCtx.Err() != nil {
 			break
 		}
@@ -138,25 +186,71 @@ func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) erro
 	return nil
 }
 
+// runOnce reads one subscription of Run's until it breaks or ctx ends. After
+// an outage (resync set) the resync hook runs once the subscription is
+// established, beside the reading, and runOnce waits for it to return.
+//
+// A subscription counts as established when it delivers an envelope or
+// stays unrefused for the initial resubscribe delay: a daemon that is still
+// down refuses at once, and relisting against it would be wasted.
+func (m *Monitor) runOnce(ctx context.Context, s Subscriber, filters []string, resync bool) (delivered bool, err error) {
+	subCtx, cancelSub := context.WithCancel(ctx)
+	defer cancelSub()
+	ch, errs := s.Subscribe(subCtx, filters...)
+	var established func()
+	var resyncs sync.WaitGroup
+	if hook := m.cfg.resync; resync && hook != nil {
+		established = func() {
+			resyncs.Add(1)
+			go func() {
+				defer resyncs.Done()
+				if err := hook(subCtx); err != nil && subCtx.Err() == nil {
+					m.cfg.logger.WithError(err).Warn("resync after re-subscription failed")
+				}
+			}()
+		}
+	}
+	delivered, err = m.consume(subCtx, &subscription{ch: ch, errs: errs, cancel: cancelSub}, established)
+	cancelSub()
+	resyncs.Wait()
+	return delivered, err
+}
+
 // consume reads one subscription until it breaks or ctx ends. It reports
 // whether any envelope arrived, and the stream's error (nil when ctx ended
-// or errs was closed without one).
-func (m *Monitor) consume(ctx context.Context, sub *subscription) (delivered bool, err error) {
+// or errs was closed without one). established, if not nil, is called once
+// the subscription is established (see runOnce).
+func (m *Monitor) consume(ctx context.Context, sub *subscription, established func()) (delivered bool, err error) {
 	defer context.AfterFunc(ctx, func() { // free intake waiting for room
 		m.mu.Lock()
 		m.progress.Broadcast()
 		m.mu.Unlock()
 	})()
+	var settled <-chan time.Time
+	if established != nil {
+		timer := m.cfg.clock.NewTimer(m.cfg.resubInitial)
+		defer timer.Stop()
+		settled = timer.C()
+	}
+	establish := func() {
+		if established != nil {
+			established()
+			established, settled = nil, nil
+		}
+	}
 	in := m.newIntake()
 	for {
 		select {
 		case <-ctx.Done():
 			return delivered, nil
+		case <-settled:
+			establish()
 		case env, ok := <-sub.ch:
 			if !ok {
 				return delivered, sub.closedErr()
 			}
 			delivered = true
+			establish()
 			in.add(env)
 			open := in.fill(sub.ch)
 			in.flush(ctx)

@@ -8,10 +8,12 @@ import (
 	"time"
 
 	"github.com/containerd/typeurl/v2"
+	"github.com/sirupsen/logrus"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/types/known/anypb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
+	"k8s.io/utils/clock"
 	testclock "k8s.io/utils/clock/testing"
 )
 
@@ -55,13 +57,6 @@ func envelope(t testing.TB, ns string, v any) *Envelope {
 	return &Envelope{Timestamp: epoch, Namespace: ns, Topic: "/test", Event: payload(t, v)}
 }
 
-func TestStartNeedsSubscribe(t *testing.T) {
-	h := newHarness(t, newRecorder(), WithConverter(testConverter))
-	err, ok := <-h.m.Start()
-	require.True(t, ok)
-	require.ErrorIs(t, err, ErrNotSubscribed)
-}
-
 func TestStartNeedsConverter(t *testing.T) {
 	h := newHarness(t, newRecorder())
 	h.m.Subscribe(newFakeStream())
@@ -78,33 +73,48 @@ func TestStreamIntakeFiltersConvertsAndDrops(t *testing.T) {
 	assert.Equal(t, []string{`topic~="/tasks/"`}, stream.filters[0])
 
 	sub.send(t, envelope(t, "k8s.io", wrapperspb.String("c1")))
-	sub.send(t, envelope(t, "default", wrapperspb.String("c2")))                                                               // filtered
-	sub.send(t, envelope(t, "k8s.io", wrapperspb.Int64(3)))                                                                    // unsupported
-	sub.send(t, &Envelope{Namespace: "k8s.io", Event: &anypb.Any{TypeUrl: "no/such", Value: []byte{1}}})                       // unknown URL
-	sub.send(t, &Envelope{Namespace: "k8s.io", Event: &anypb.Any{TypeUrl: "eventmonitor.test/jsonEvent", Value: []byte("{")}}) // garbage
-	sub.send(t, &Envelope{Namespace: "k8s.io"})                                                                                // nil payload
-	sub.send(t, nil)                                                                                                           // nil envelope
-	sub.send(t, envelope(t, "k8s.io", wrapperspb.String("")))                                                                  // empty key
+	sub.send(t, envelope(t, "default", wrapperspb.String("c2")))                                                                               // filtered
+	sub.send(t, envelope(t, "k8s.io", wrapperspb.Int64(3)))                                                                                    // not keyed: ignored
+	sub.send(t, &Envelope{Namespace: "k8s.io", Event: &anypb.Any{TypeUrl: "no/such", Value: []byte{1}}})                                       // unknown URL: ignored
+	sub.send(t, envelope(t, "k8s.io", wrapperspb.Int64(4)))                                                                                    // ignored again
+	sub.send(t, &Envelope{Namespace: "k8s.io", Topic: "/json", Event: &anypb.Any{TypeUrl: "eventmonitor.test/jsonEvent", Value: []byte("{")}}) // garbage
+	sub.send(t, &Envelope{Namespace: "k8s.io", Topic: "/none"})                                                                                // nil payload
+	sub.send(t, nil)                                                                                                                           // nil envelope
+	sub.send(t, envelope(t, "k8s.io", wrapperspb.String("")))                                                                                  // empty key
 	sub.send(t, envelope(t, "k8s.io", &jsonEvent{ID: "c1", Code: 2}))
 
 	waitFor(t, func() bool { return len(r.handledList()) == 2 }, "two events handled")
 	assert.Equal(t, "c1", r.handledList()[0].(*wrapperspb.StringValue).GetValue())
 	assert.Equal(t, &jsonEvent{ID: "c1", Code: 2}, r.handledList()[1])
 
-	reasons := []error{ErrUnsupportedEvent, ErrUnsupportedEvent, ErrDecode, ErrInvalidEvent, ErrInvalidEvent, ErrInvalidEvent}
 	drops := h.drops.all()
-	require.Len(t, drops, len(reasons))
-	for i, d := range drops {
-		assert.ErrorIs(t, d.Reason, reasons[i], "drop %d", i)
+	want := []Drop{
+		{Reason: ErrDecode, Topic: "/json", Namespace: "k8s.io"},
+		{Reason: ErrInvalidEvent, Topic: "/none", Namespace: "k8s.io"},
+		{Reason: ErrInvalidEvent},
+		{Reason: ErrInvalidEvent, Topic: "/test", Namespace: "k8s.io", Events: anys(wrapperspb.String(""))},
 	}
-	assert.Nil(t, drops[0].Events, "an undecodable envelope has no events")
-	require.Len(t, drops[5].Events, 1, "an event with an empty key is handed over")
+	require.Len(t, drops, len(want))
+	for i, d := range drops {
+		assert.ErrorIs(t, d.Reason, want[i].Reason, "drop %d", i)
+		assert.Equal(t, want[i].Topic, d.Topic, "drop %d: where it came from", i)
+		assert.Equal(t, want[i].Namespace, d.Namespace, "drop %d: where it came from", i)
+		assert.Equal(t, len(want[i].Events), len(d.Events), "drop %d", i)
+	}
+	assert.Equal(t, `dropped an envelope that did not become an event (topic "/json", namespace "k8s.io"): `+
+		`eventmonitor: cannot decode event: type "eventmonitor.test/jsonEvent": unexpected end of JSON input`, drops[0].String())
 
 	s := h.m.Stats()
-	assert.Equal(t, uint64(9), s.Received)
+	assert.Equal(t, uint64(10), s.Received)
 	assert.Equal(t, uint64(1), s.Filtered)
-	assert.Equal(t, uint64(6), s.Dropped)
+	assert.Equal(t, uint64(3), s.Ignored, "types the converter does not key are ignored, not dropped")
+	assert.Equal(t, uint64(4), s.Dropped)
 	assert.Equal(t, uint64(2), s.Handled)
+	ignoredLines := h.entries("ignoring events of a type the converter has no key for; logged once per type")
+	require.Len(t, ignoredLines, 2, "once per type URL")
+	for _, line := range ignoredLines {
+		assert.Equal(t, logrus.DebugLevel, line.Level)
+	}
 
 	sub.errs <- errors.New("stream broke")
 	require.EqualError(t, <-errCh, "stream broke")
@@ -166,30 +176,19 @@ func TestIntakeBackpressure(t *testing.T) {
 	assert.LessOrEqual(t, maxQueued, limit, "intake must not queue beyond its limit")
 }
 
-func TestRunResubscribesWithBackoffAndResyncs(t *testing.T) {
+func TestRunResubscribesWithBackoff(t *testing.T) {
 	r := newRecorder()
-	var resyncs int
-	var resyncMu sync.Mutex
 	stream := newFakeStream()
-	clk := &signallingClock{afters: make(chan time.Duration, 1)}
+	clk := newSignallingClock()
 	h := newHarness(t, r, WithConverter(testConverter), withSignallingClock(clk),
-		WithResubscribe(100*time.Millisecond, 400*time.Millisecond),
-		WithResync(func(ctx context.Context) error {
-			resyncMu.Lock()
-			defer resyncMu.Unlock()
-			resyncs++
-			return nil
-		}))
+		WithResubscribe(100*time.Millisecond, 400*time.Millisecond))
 	ctx, cancel := context.WithCancel(context.Background())
 	runErr := make(chan error)
 	go func() { runErr <- h.m.Run(ctx, stream) }()
 
-	resyncCount := func() int { resyncMu.Lock(); defer resyncMu.Unlock(); return resyncs }
 	sub := <-stream.newSub
-	assert.Zero(t, resyncCount(), "no resync on the first subscription")
-
-	// Three failed subscriptions in a row: 100, 200, 400 ms apart.
-	for i, wait := range []time.Duration{100, 200, 400, 400} {
+	// Failed subscriptions in a row: 100, 200, 400, 400 ms apart.
+	for _, wait := range []time.Duration{100, 200, 400, 400} {
 		sub.errs <- errors.New("broken")
 		require.Equal(t, wait*time.Millisecond, clk.waitAfter(t), "Run's delay before re-subscribing")
 		h.clock.Step(wait*time.Millisecond - time.Nanosecond)
@@ -200,7 +199,6 @@ func TestRunResubscribesWithBackoffAndResyncs(t *testing.T) {
 		}
 		h.clock.Step(time.Nanosecond)
 		sub = <-stream.newSub
-		waitFor(t, func() bool { return resyncCount() == i+1 }, "resync after re-subscription %d", i+1)
 	}
 
 	// A subscription that delivers resets the backoff.
@@ -217,6 +215,75 @@ func TestRunResubscribesWithBackoffAndResyncs(t *testing.T) {
 	require.NoError(t, <-runErr)
 	<-sub.ctx.Done()
 	require.NoError(t, h.m.Submit("still", ev{"still", 1}), "Run returning does not stop the monitor")
+}
+
+// The resync hook runs once per outage, once a new subscription is
+// established: not after attempts the runtime refused while it was down,
+// and beside the reading of the new stream.
+func TestRunResyncsOncePerOutage(t *testing.T) {
+	r := newRecorder()
+	stream := newFakeStream()
+	clk := newSignallingClock()
+	resyncs := make(chan context.Context, 4)
+	releaseResync := make(chan struct{})
+	h := newHarness(t, r, WithConverter(testConverter), withSignallingClock(clk),
+		WithResubscribe(100*time.Millisecond, time.Second),
+		WithResync(func(ctx context.Context) error {
+			resyncs <- ctx
+			<-releaseResync
+			return nil
+		}))
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	runErr := make(chan error, 1)
+	go func() { runErr <- h.m.Run(ctx, stream) }()
+	noResync := func(when string) {
+		t.Helper()
+		select {
+		case <-resyncs:
+			t.Fatalf("resync %s", when)
+		default:
+		}
+	}
+
+	sub := <-stream.newSub
+	noResync("on the first subscription")
+	sub.errs <- errors.New("daemon gone")
+	for _, wait := range []time.Duration{100, 200, 400} { // refused at once while the daemon is down
+		require.Equal(t, wait*time.Millisecond, clk.waitAfter(t))
+		clk.forgetTimers() // the refused subscriptions' timers
+		h.clock.Step(wait * time.Millisecond)
+		sub = <-stream.newSub
+		if wait < 400 {
+			sub.errs <- errors.New("connection refused")
+		}
+	}
+	noResync("after refused subscriptions")
+
+	// Not refused within the initial delay: established, so the hook runs,
+	// with a context that lives as long as the subscription.
+	clk.waitTimer(t, 100*time.Millisecond)
+	h.clock.Step(100 * time.Millisecond)
+	resyncCtx := <-resyncs
+	// The stream is read while the hook runs.
+	sub.send(t, envelope(t, "ns", wrapperspb.String("during-resync")))
+	waitFor(t, func() bool { return len(r.handledList()) == 1 }, "an event handled while the resync runs")
+	releaseResync <- struct{}{}
+
+	// A second outage: a subscription that delivers is established at once.
+	sub.errs <- errors.New("daemon gone again")
+	require.Equal(t, 100*time.Millisecond, clk.waitAfter(t), "the subscription delivered: the delay starts over")
+	<-resyncCtx.Done()
+	h.clock.Step(100 * time.Millisecond)
+	sub = <-stream.newSub
+	sub.send(t, envelope(t, "ns", wrapperspb.String("after")))
+	<-resyncs
+	releaseResync <- struct{}{}
+	noResync("twice for one outage")
+	waitFor(t, func() bool { return len(r.handledList()) == 2 }, "the event after the outage handled")
+
+	cancel()
+	require.NoError(t, <-runErr)
 }
 
 func TestRunArguments(t *testing.T) {
@@ -254,18 +321,33 @@ func TestStreamErrorWinsOverClosedChannel(t *testing.T) {
 	}
 }
 
-// signallingClock is the harness's FakeClock, reporting every After call
-// once its waiter is registered: a test steps the clock only when Run waits
-// on it. (HasWaiters cannot tell: the scheduler's timer is a waiter too.)
+// signallingClock is the harness's FakeClock, reporting every After and
+// NewTimer call once its waiter is registered: a test steps the clock only
+// when Run waits on it. (HasWaiters cannot tell: the scheduler's timer is a
+// waiter too.)
 type signallingClock struct {
 	*testclock.FakeClock
 	afters chan time.Duration
+	timers chan time.Duration
+}
+
+func newSignallingClock() *signallingClock {
+	return &signallingClock{afters: make(chan time.Duration, 1), timers: make(chan time.Duration, 64)}
 }
 
 func (c *signallingClock) After(d time.Duration) <-chan time.Time {
 	ch := c.FakeClock.After(d)
 	c.afters <- d
 	return ch
+}
+
+func (c *signallingClock) NewTimer(d time.Duration) clock.Timer {
+	timer := c.FakeClock.NewTimer(d)
+	select {
+	case c.timers <- d:
+	default: // nobody is watching timers; the scheduler re-arms its own
+	}
+	return timer
 }
 
 // withSignallingClock makes the monitor use clk over the harness's clock;
@@ -286,5 +368,32 @@ func (c *signallingClock) waitAfter(t *testing.T) time.Duration {
 	case <-time.After(10 * time.Second):
 		t.Fatal("Run did not wait on the clock")
 		return 0
+	}
+}
+
+// forgetTimers forgets the NewTimer calls made so far.
+func (c *signallingClock) forgetTimers() {
+	for {
+		select {
+		case <-c.timers:
+		default:
+			return
+		}
+	}
+}
+
+// waitTimer waits for a NewTimer call of duration d.
+func (c *signallingClock) waitTimer(t *testing.T, d time.Duration) {
+	t.Helper()
+	deadline := time.After(10 * time.Second)
+	for {
+		select {
+		case got := <-c.timers:
+			if got == d {
+				return
+			}
+		case <-deadline:
+			t.Fatalf("no timer of %v was made", d)
+		}
 	}
 }

@@ -1,0 +1,260 @@
+package eventmonitor
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+)
+
+const overranLine = "event handler overran its timeout; its key stays held until it returns"
+
+// A handler that ignores its ctx and never returns must not hang Shutdown:
+// once the drain has nothing else to do, the stuck call is abandoned as
+// Stop abandons it, at its deadline.
+func TestShutdownDoesNotHangBehindAStuckHandler(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithHandleTimeout(time.Second))
+	started, release := r.gate(ev{"stuck", 1}) // ignores its ctx
+	defer release()
+	h.submit(t, ev{"stuck", 1})
+	<-started
+	h.submit(t, ev{"stuck", 2}, ev{"other", 1})
+
+	done := make(chan error, 1)
+	go func() { done <- h.m.Shutdown(context.Background()) }()
+	waitFor(t, h.stopping, "Shutdown begins")
+	h.clock.Step(time.Second) // stuck/1 overruns: other/1 gets a worker, then nothing is left to drain
+	select {
+	case err := <-done:
+		require.ErrorIs(t, err, ErrStopped)
+		assert.ErrorContains(t, err, "abandoned 1 handler call")
+	case <-time.After(10 * time.Second):
+		t.Fatal("Shutdown(context.Background()) hangs behind a stuck handler")
+	}
+
+	assert.Equal(t, anys(ev{"other", 1}), r.handledList(), "the drain went on without the stuck key")
+	drops := h.drops.all()
+	require.Len(t, drops, 2)
+	for _, d := range drops {
+		assert.ErrorIs(t, d.Reason, ErrStopped)
+	}
+	assert.ElementsMatch(t, anys(ev{"stuck", 1}, ev{"stuck", 2}), append(drops[0].Events, drops[1].Events...))
+	s := h.m.Stats()
+	assert.Equal(t, s.Received, s.Handled+s.Dropped)
+	release() // the abandoned goroutine returns and exits; goleak checks it
+}
+
+// With one worker, a call that overruns its deadline keeps its key but not
+// the worker: a new worker handles the other keys.
+func TestStuckHandlerDoesNotTakeItsWorker(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithHandleTimeout(time.Second)) // one worker
+	started, release := r.gate(ev{"stuck", 1})
+	defer release()
+	h.submit(t, ev{"stuck", 1})
+	<-started
+	h.submit(t, ev{"stuck", 2}, ev{"a", 1}, ev{"b", 1})
+	assert.Empty(t, r.handledList(), "within its deadline the call keeps the only worker")
+
+	h.clock.Step(time.Second)
+	waitFor(t, func() bool { return len(r.handledList()) == 2 }, "other keys handled by the replacement worker")
+	assert.Equal(t, anys(ev{"a", 1}, ev{"b", 1}), r.handledList())
+	s := h.m.Stats()
+	assert.Equal(t, 1, s.Overrunning)
+	assert.Equal(t, 1, s.InFlight)
+	assert.Equal(t, 1, s.Queued, "stuck/2 waits: the key stays held")
+	require.True(t, h.logged(overranLine, "stuck"))
+
+	release()
+	waitFor(t, func() bool { return len(r.handledList()) == 4 }, "the stuck key goes on once its call returns")
+	assert.Equal(t, anys(ev{"a", 1}, ev{"b", 1}, ev{"stuck", 1}, ev{"stuck", 2}), r.handledList())
+	assert.Equal(t, 1, r.maxConc["stuck"])
+	assert.Zero(t, h.m.Stats().Overrunning)
+
+	waitFor(t, func() bool { return h.workers() == 1 }, "the returned call's goroutine leaves: one worker again")
+}
+
+// workers counts the goroutines Stop would wait for.
+func (h *harness) workers() int {
+	h.m.mu.Lock()
+	defer h.m.mu.Unlock()
+	return h.m.busy
+}
+
+// Past WithMaxOverruns an overrunning call keeps its worker, and says so;
+// once a replaced call returns, its worker takes over the held one's seat.
+func TestMaxOverrunsBoundsReplacedWorkers(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithHandleTimeout(time.Second), WithMaxOverruns(1))
+	startedA, releaseA := r.gate(ev{"a", 1})
+	defer releaseA()
+	startedB, releaseB := r.gate(ev{"b", 1})
+	defer releaseB()
+	h.submit(t, ev{"a", 1})
+	<-startedA
+	h.submit(t, ev{"b", 1}, ev{"c", 1})
+	h.clock.Step(time.Second) // a overruns: replaced, the new worker takes b
+	<-startedB
+	h.clock.Step(time.Second) // b overruns: the bound is reached, c waits
+	const limitLine = "too many handler calls overrunning their timeout (WithMaxOverruns): this one keeps its worker"
+	waitFor(t, func() bool { return h.logged(limitLine, "b") }, "b's overrun logged, at the bound")
+	assert.True(t, h.logged(overranLine, "b"))
+	assert.Len(t, h.entries(limitLine), 1)
+	s := h.m.Stats()
+	assert.Equal(t, 2, s.Overrunning)
+	assert.Equal(t, 1, s.Queued, "c waits for a worker")
+	assert.Empty(t, r.handledList())
+
+	releaseA() // a's worker takes over b's seat and handles c
+	waitFor(t, func() bool { return len(r.handledList()) == 2 }, "a and c handled")
+	assert.Equal(t, anys(ev{"a", 1}, ev{"c", 1}), r.handledList())
+	releaseB()
+	waitFor(t, func() bool { return len(r.handledList()) == 3 }, "b handled")
+	waitFor(t, func() bool { return h.workers() == 1 }, "b's worker leaves: one worker left")
+	h.m.mu.Lock()
+	defer h.m.mu.Unlock()
+	assert.Zero(t, h.m.replaced)
+}
+
+// Two Runs at once would both subscribe and handle every event twice: the
+// second is refused, as is a Start while a Run reads, and Run works again
+// once the first returned.
+func TestOneStreamReaderAtATime(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithConverter(testConverter))
+	stream := newFakeStream()
+	ctx, cancel := context.WithCancel(context.Background())
+	first := make(chan error, 1)
+	go func() { first <- h.m.Run(ctx, stream) }()
+	sub := <-stream.newSub
+
+	require.ErrorIs(t, h.m.Run(context.Background(), stream), ErrAlreadyRunning)
+	h.m.Subscribe(stream)
+	second := <-stream.newSub
+	require.ErrorIs(t, <-h.m.Start(), ErrAlreadyRunning)
+	<-second.ctx.Done() // the refused Start's subscription is ended, not leaked
+
+	sub.send(t, envelope(t, "ns", wrapperspb.String("c1")))
+	waitFor(t, func() bool { return len(r.handledList()) == 1 }, "handled")
+	cancel()
+	require.NoError(t, <-first)
+
+	// Again, after the first Run returned; and a Start's reader blocks Run.
+	ctx, cancel = context.WithCancel(context.Background())
+	defer cancel()
+	again := make(chan error, 1)
+	go func() { again <- h.m.Run(ctx, stream) }()
+	sub = <-stream.newSub
+	sub.send(t, envelope(t, "ns", wrapperspb.String("c2")))
+	waitFor(t, func() bool { return len(r.handledList()) == 2 }, "handled by the second Run")
+	cancel()
+	require.NoError(t, <-again)
+
+	h.m.Subscribe(stream)
+	errCh := h.m.Start()
+	sub = <-stream.newSub
+	require.ErrorIs(t, h.m.Run(context.Background(), stream), ErrAlreadyRunning)
+	sub.errs <- errors.New("broken")
+	require.EqualError(t, <-errCh, "broken")
+	assert.Equal(t, uint64(2), h.m.Stats().Handled, "nothing was handled twice")
+}
+
+// containerd's podsandbox controller calls Start with no subscription and
+// treats its channel as the monitor's lifetime.
+func TestBareStartLastsUntilStop(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r) // no converter either
+	errCh := h.m.Start()
+	r.fail(ev{"a", 1}, 1)
+	h.submit(t, ev{"a", 1})
+	waitFor(t, func() bool { return h.m.InBackoff("a") }, "a fails")
+	h.settled(t)
+	h.clock.Step(time.Second)
+	waitFor(t, func() bool { return len(r.handledList()) == 1 }, "the backoff replay runs")
+	select {
+	case err, open := <-errCh:
+		t.Fatalf("Start's channel ended before Stop: %v, %v", err, open)
+	default:
+	}
+	h.m.Stop()
+	err, open := <-errCh
+	assert.False(t, open, "closed at Stop")
+	assert.NoError(t, err)
+	require.ErrorIs(t, <-h.m.Start(), ErrStopped)
+}
+
+// Every drop of an event from the stream says its topic and namespace; at
+// Stop, a key whose events came from several topics gives one Drop each.
+func TestDropsSayWhereTheyCameFrom(t *testing.T) {
+	h := newHarness(t, HandlerFunc(func(context.Context, any) error { return errors.New("no") }),
+		WithConverter(testConverter), WithMaxAttempts(1), WithBackoff(time.Hour, time.Hour))
+	stream := newFakeStream()
+	h.m.Subscribe(stream)
+	h.m.Start()
+	sub := <-stream.newSub
+	sub.send(t, &Envelope{Namespace: "k8s.io", Topic: "/tasks/exit", Event: payload(t, wrapperspb.String("c1"))})
+	waitFor(t, func() bool { return len(h.drops.all()) == 1 }, "given up after one attempt")
+	d := h.drops.all()[0]
+	assert.ErrorIs(t, d.Reason, ErrMaxAttempts)
+	assert.Equal(t, "/tasks/exit", d.Topic)
+	assert.Equal(t, "k8s.io", d.Namespace)
+
+	h.m.Backoff("c2", ev{"c2", 1}) // waits an hour
+	sub.send(t, &Envelope{Namespace: "k8s.io", Topic: "/tasks/start", Event: payload(t, wrapperspb.String("c2"))})
+	sub.send(t, &Envelope{Namespace: "k8s.io", Topic: "/tasks/oom", Event: payload(t, wrapperspb.String("c2"))})
+	sub.send(t, &Envelope{Namespace: "k8s.io", Topic: "/tasks/oom", Event: payload(t, wrapperspb.String("c2"))})
+	waitFor(t, func() bool { return h.m.Stats().EventsInBackoff == 4 }, "queued behind the backoff")
+	h.m.Stop()
+	drops := h.drops.all()[1:]
+	require.Len(t, drops, 3)
+	for i, want := range []struct {
+		topic  string
+		events int
+	}{{"", 1}, {"/tasks/start", 1}, {"/tasks/oom", 2}} {
+		assert.Equal(t, "c2", drops[i].Key)
+		assert.Equal(t, want.topic, drops[i].Topic, "drop %d", i)
+		assert.Len(t, drops[i].Events, want.events, "drop %d", i)
+		assert.ErrorIs(t, drops[i].Reason, ErrStopped)
+	}
+	s := h.m.Stats()
+	assert.Equal(t, s.Received, s.Dropped)
+}
+
+// Programming errors are reported where they are made, not when the first
+// event arrives.
+func TestProgrammingErrorsPanicAtOnce(t *testing.T) {
+	mux := NewMux()
+	assert.PanicsWithValue(t, "eventmonitor: On[*wrapperspb.StringValue] with a nil function", func() {
+		On[*wrapperspb.StringValue](mux, nil)
+	})
+	assert.PanicsWithValue(t, "eventmonitor: On with a nil Mux (make it with NewMux)", func() {
+		On(nil, func(context.Context, string) error { return nil })
+	})
+	assert.PanicsWithValue(t, "eventmonitor: KeyOf[*wrapperspb.StringValue] with a nil key function", func() {
+		KeyOf[*wrapperspb.StringValue](nil)
+	})
+	assert.PanicsWithValue(t, "eventmonitor: NewConverter: TypeKey 1 is zero (make it with KeyOf)", func() {
+		NewConverter(KeyOf(func(*wrapperspb.StringValue) string { return "" }), TypeKey{})
+	})
+
+	h := newHarness(t, newRecorder())
+	exitCh := make(chan fakeExit)
+	build := exitOf("c1")
+	assert.PanicsWithValue(t, "eventmonitor: WatchExit with a nil Monitor", func() {
+		WatchExit(context.Background(), nil, "c1", exitCh, build)
+	})
+	assert.PanicsWithValue(t, "eventmonitor: WatchExit with a nil exit channel", func() {
+		WatchExit[fakeExit](context.Background(), h.m, "c1", nil, build)
+	})
+	assert.PanicsWithValue(t, "eventmonitor: WatchExit with a nil event builder", func() {
+		WatchExit(context.Background(), h.m, "c1", exitCh, nil)
+	})
+	assert.PanicsWithValue(t, "eventmonitor: Subscribe with a nil Subscriber", func() {
+		h.m.Subscribe(nil)
+	})
+}
