@@ -79,7 +79,6 @@ type statGauge struct {
 
 // Drop reasons as they appear in the dropped counter's reason label.
 const (
-	ReasonUnsupported = "unsupported"  // no converter key for the event type
 	ReasonDecode      = "decode"       // the payload could not be unmarshalled
 	ReasonInvalid     = "invalid"      // empty or oversized key, nil event, converter panic
 	ReasonMaxAttempts = "max_attempts" // WithMaxAttempts reached
@@ -97,7 +96,6 @@ var reasons = []struct {
 	{eventmonitor.ErrStopped, ReasonStopped},
 	{eventmonitor.ErrMaxAttempts, ReasonMaxAttempts},
 	{eventmonitor.ErrQueueFull, ReasonQueueFull},
-	{eventmonitor.ErrUnsupportedEvent, ReasonUnsupported},
 	{eventmonitor.ErrDecode, ReasonDecode},
 	{eventmonitor.ErrInvalidEvent, ReasonInvalid},
 }
@@ -148,8 +146,10 @@ func New(opts ...Option) *Collector {
 		counters: []statCounter{
 			{desc("events_received_total", "Envelopes read from the stream and events submitted."),
 				func(s eventmonitor.Stats) uint64 { return s.Received }},
-			{desc("events_filtered_total", "Envelopes of other namespaces, ignored."),
+			{desc("events_filtered_total", "Envelopes of other namespaces, not handled."),
 				func(s eventmonitor.Stats) uint64 { return s.Filtered }},
+			{desc("events_ignored_total", "Envelopes of types the converter has no key for, not handled (not drops)."),
+				func(s eventmonitor.Stats) uint64 { return s.Ignored }},
 			{desc("events_handled_total", "Successful handler calls."),
 				func(s eventmonitor.Stats) uint64 { return s.Handled }},
 			{desc("events_failed_total", "Failed handler calls, panics included."),
@@ -164,6 +164,8 @@ func New(opts ...Option) *Collector {
 		gauges: []statGauge{
 			{desc("handlers_in_flight", "Handler calls running now."),
 				func(s eventmonitor.Stats) int { return s.InFlight }},
+			{desc("handlers_overrunning", "Handler calls running past their timeout; each holds its key."),
+				func(s eventmonitor.Stats) int { return s.Overrunning }},
 			{desc("events_queued", "Events waiting for a worker, not in backoff."),
 				func(s eventmonitor.Stats) int { return s.Queued }},
 			{desc("keys_in_backoff", "Keys waiting for a retry or replaying."),

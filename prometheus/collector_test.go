@@ -3,6 +3,7 @@ package prometheus_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -10,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/containerd/typeurl/v2"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	dto "github.com/prometheus/client_model/go"
@@ -101,12 +103,14 @@ func checkMatchesStats(t *testing.T, families map[string]*dto.MetricFamily, s ev
 	for name, want := range map[string]float64{
 		"eventmonitor_events_received_total":        float64(s.Received),
 		"eventmonitor_events_filtered_total":        float64(s.Filtered),
+		"eventmonitor_events_ignored_total":         float64(s.Ignored),
 		"eventmonitor_events_handled_total":         float64(s.Handled),
 		"eventmonitor_events_failed_total":          float64(s.Failed),
 		"eventmonitor_retries_total":                float64(s.Retried),
 		"eventmonitor_events_forgotten_total":       float64(s.Forgotten),
 		"eventmonitor_stream_resubscriptions_total": float64(s.Resubscribed),
 		"eventmonitor_handlers_in_flight":           float64(s.InFlight),
+		"eventmonitor_handlers_overrunning":         float64(s.Overrunning),
 		"eventmonitor_events_queued":                float64(s.Queued),
 		"eventmonitor_keys_in_backoff":              float64(s.KeysInBackoff),
 		"eventmonitor_events_in_backoff":            float64(s.EventsInBackoff),
@@ -189,6 +193,63 @@ func TestScrapeMatchesStats(t *testing.T) {
 	assert.Equal(t, 1.0, recovery.GetSampleSum(), "it recovered one backoff delay after failing")
 }
 
+// payload is an envelope's payload of any type URL.
+type payload string
+
+func (p payload) GetTypeUrl() string { return string(p) }
+func (p payload) GetValue() []byte   { return nil }
+
+// TestIgnoredAndOverrunning scrapes the two figures that say the monitor is
+// not handling something: envelopes of types it has no key for, and calls
+// stuck past their timeout.
+func TestIgnoredAndOverrunning(t *testing.T) {
+	clock := clocktesting.NewFakeClock(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
+	release := make(chan struct{})
+	collector := emprom.New()
+	m, err := eventmonitor.New(eventmonitor.HandlerFunc(func(context.Context, any) error {
+		<-release // ignores its context
+		return nil
+	}),
+		eventmonitor.WithClock(clock),
+		eventmonitor.WithHandleTimeout(time.Second),
+		eventmonitor.WithMetrics(collector),
+		eventmonitor.WithConverter(eventmonitor.ConverterFunc(func(p typeurl.Any) (string, any, error) {
+			return "", nil, fmt.Errorf("%w: %s", eventmonitor.ErrUnsupportedEvent, p.GetTypeUrl())
+		})),
+	)
+	require.NoError(t, err)
+	defer m.Stop()
+	defer close(release)
+	collector.Watch(m)
+	registry := prometheus.NewRegistry()
+	require.NoError(t, registry.Register(collector))
+	server := httptest.NewServer(promhttp.HandlerFor(registry, promhttp.HandlerOpts{}))
+	defer server.Close()
+
+	envelopes := make(chan *eventmonitor.Envelope, 2)
+	envelopes <- &eventmonitor.Envelope{Topic: "/images/create", Event: payload("containerd.events.ImageCreate")}
+	envelopes <- &eventmonitor.Envelope{Topic: "/images/create", Event: payload("containerd.events.ImageCreate")}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go m.Run(ctx, eventmonitor.SubscriberFunc(func(context.Context, ...string) (<-chan *eventmonitor.Envelope, <-chan error) {
+		return envelopes, nil
+	}))
+	require.NoError(t, m.Submit("hung", "event"))
+	waitFor(t, "the call and the ignored envelopes", func() bool { s := m.Stats(); return s.InFlight == 1 && s.Ignored == 2 })
+	clock.Step(time.Second)
+	waitFor(t, "the overrun", func() bool { return m.Stats().Overrunning == 1 })
+
+	families := scrape(t, server.URL)
+	checkMatchesStats(t, families, m.Stats(), m.Pending())
+	assert.Equal(t, 2.0, value(t, families, "eventmonitor_events_ignored_total"))
+	assert.Equal(t, 1.0, value(t, families, "eventmonitor_handlers_overrunning"))
+	var dropped float64
+	for _, m := range families["eventmonitor_events_dropped_total"].GetMetric() {
+		dropped += m.GetCounter().GetValue()
+	}
+	assert.Zero(t, dropped, "ignored envelopes are not drops")
+}
+
 func TestOptionsNameMetrics(t *testing.T) {
 	collector := emprom.New(emprom.WithNamespace("cri"), emprom.WithSubsystem("events"),
 		emprom.WithConstLabels(prometheus.Labels{"runtime": "runc"}))
@@ -217,7 +278,6 @@ func TestReason(t *testing.T) {
 		errors.Join(eventmonitor.ErrStopped, errors.New("boom")): emprom.ReasonStopped,
 		eventmonitor.ErrMaxAttempts:                              emprom.ReasonMaxAttempts,
 		eventmonitor.ErrQueueFull:                                emprom.ReasonQueueFull,
-		eventmonitor.ErrUnsupportedEvent:                         emprom.ReasonUnsupported,
 		eventmonitor.ErrDecode:                                   emprom.ReasonDecode,
 		eventmonitor.ErrInvalidEvent:                             emprom.ReasonInvalid,
 		errors.New("something else"):                             emprom.ReasonOther,

@@ -30,5 +30,5 @@ func ExampleNew() {
 
 	families, _ := registry.Gather()
 	fmt.Println(len(families), "metric families, the first:", families[0].GetName())
-	// Output: 14 metric families, the first: eventmonitor_cri_events_dropped_total
+	// Output: 16 metric families, the first: eventmonitor_cri_events_dropped_total
 }
