@@ -4,11 +4,16 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"reflect"
+	"slices"
+	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -19,6 +24,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/proto"
 
@@ -198,16 +204,87 @@ func TestConverterKeysEveryEventType(t *testing.T) {
 	assert.ErrorIs(t, err, eventmonitor.ErrUnsupportedEvent, "a message that is not an event")
 }
 
+// Dial says at once why it cannot connect, rather than waiting out its
+// timeout and reporting TRANSIENT_FAILURE.
 func TestDialErrors(t *testing.T) {
 	_, err := containerd.Dial(context.Background(), "")
 	assert.ErrorContains(t, err, "empty socket address")
 
-	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
-	defer cancel()
-	missing := filepath.Join(t.TempDir(), "no.sock")
-	_, err = containerd.Dial(ctx, missing)
-	assert.ErrorIs(t, err, context.DeadlineExceeded)
-	assert.ErrorContains(t, err, missing)
+	dir := t.TempDir()
+	missing := filepath.Join(dir, "no.sock")
+	regular := filepath.Join(dir, "file")
+	require.NoError(t, os.WriteFile(regular, nil, 0o600))
+	stale := filepath.Join(dir, "stale.sock") // a socket file nobody listens on
+	l, err := net.Listen("unix", stale)
+	require.NoError(t, err)
+	l.(*net.UnixListener).SetUnlinkOnClose(false)
+	require.NoError(t, l.Close())
+
+	for _, tc := range []struct {
+		address string
+		is      error
+		says    string
+	}{
+		{missing, fs.ErrNotExist, "no socket at " + missing},
+		{regular, nil, regular + " is not a socket (a regular file)"},
+		{dir, nil, dir + " is not a socket (a directory)"},
+		{stale, syscall.ECONNREFUSED, "cannot open socket " + stale},
+	} {
+		start := time.Now()
+		_, err := containerd.Dial(context.Background(), tc.address)
+		require.Error(t, err, tc.address)
+		assert.Less(t, time.Since(start), 2*time.Second, "%s: at once, not after the dial timeout", tc.address)
+		assert.ErrorContains(t, err, tc.says)
+		if tc.is != nil {
+			assert.ErrorIs(t, err, tc.is)
+		}
+		assert.NotErrorIs(t, err, context.DeadlineExceeded, tc.address)
+	}
+}
+
+func TestFilters(t *testing.T) {
+	filters, err := containerd.Filters("k8s.io",
+		eventmonitor.KeyOf(func(e *events.TaskExit) string { return e.ContainerID }),
+		eventmonitor.KeyOf(func(e *events.SandboxExit) string { return e.SandboxID }))
+	require.NoError(t, err)
+	assert.Equal(t, []string{
+		`namespace=="k8s.io",topic=="/tasks/exit"`,
+		`namespace=="k8s.io",topic=="/sandboxes/exit"`,
+		`namespace=="k8s.io",topic=="sandboxes/exit"`,
+	}, filters)
+
+	filters, err = containerd.Filters("", eventmonitor.KeyOf(func(e *events.ImageCreate) string { return e.Name }))
+	require.NoError(t, err)
+	assert.Equal(t, []string{`topic=="/images/create"`}, filters)
+
+	_, err = containerd.Filters("", eventmonitor.KeyOf(func(e *eventsapi.PublishRequest) string { return e.Topic }))
+	assert.ErrorContains(t, err, "no known topic for *events.PublishRequest")
+}
+
+// TestFiltersInDaemon asks the daemon for task exits only: nothing else
+// crosses the socket, so nothing is even ignored.
+func TestFiltersInDaemon(t *testing.T) {
+	t.Parallel()
+	d := startDaemon(t, false)
+	c := dial(t, d)
+	h := &seen{}
+	filters, err := containerd.Filters(containerd.K8sNamespace,
+		eventmonitor.KeyOf(func(e *events.TaskExit) string { return e.ContainerID }))
+	require.NoError(t, err)
+	m := run(t, c, h, append(filters, `topic=="/eventmonitor-test/probe"`))
+	c.handshake("default", h)
+	probes := m.Stats().Received
+
+	require.NoError(t, c.publish(containerd.K8sNamespace, "/tasks/oom", &events.TaskOOM{ContainerID: "c1"}))
+	require.NoError(t, c.publish(containerd.K8sNamespace, "/images/create", &events.ImageCreate{Name: "i"}))
+	require.NoError(t, c.publish("other", "/tasks/exit", &events.TaskExit{ContainerID: "c1"}))
+	require.NoError(t, c.publish(containerd.K8sNamespace, "/tasks/exit", &events.TaskExit{ContainerID: "c1", ExitStatus: 3}))
+	waitFor(t, "the exit", func() bool { return len(h.of("c1")) == 1 })
+	assert.Equal(t, []string{"TaskExit"}, types(h.of("c1")))
+	s := m.Stats()
+	assert.Equal(t, probes+1, s.Received, "the other events never reached the monitor (a stream is in order)")
+	assert.Zero(t, s.Ignored)
+	assert.Zero(t, s.Filtered)
 }
 
 func TestTaskExitBuilder(t *testing.T) {
@@ -335,9 +412,57 @@ func TestDaemonRestart(t *testing.T) {
 	assert.Equal(t, uint32(9), h.of("after")[0].(*events.TaskExit).ExitStatus)
 }
 
+// TestResubscribesPromptlyAfterALongOutage kills containerd and keeps it
+// down for longer than gRPC's default reconnect backoff stays short: once
+// the daemon is back, Run re-subscribes within about WithResubscribe's
+// maximum, both over Dial's connection and over a plain gRPC connection
+// (whose backoff the subscriber wakes before subscribing).
+func TestResubscribesPromptlyAfterALongOutage(t *testing.T) {
+	t.Parallel()
+	d := startDaemon(t, false)
+	overDial, overPlain := &seen{}, &seen{}
+	run(t, dial(t, d), overDial, nil, eventmonitor.WithResubscribe(50*time.Millisecond, time.Second))
+	plain, err := grpc.NewClient("unix://"+d.socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	t.Cleanup(func() { plain.Close() })
+	run(t, &client{t: t, conn: plain}, overPlain, nil, eventmonitor.WithResubscribe(50*time.Millisecond, time.Second))
+	c := dial(t, d)
+	c.handshake("default", overDial)
+	c.handshake("default", overPlain)
+
+	// gRPC's default reconnect backoff would next try about 26 s after the
+	// kill, 6 s after the daemon is back.
+	const outage = 20 * time.Second
+	d.kill()
+	time.Sleep(outage) // the outage itself
+	d.start()
+	ready := time.Now()
+	c = dial(t, d) // a connection of its own, so that publishing wakes neither monitor's
+	c.handshake("default", overDial)
+	overDialTook := time.Since(ready)
+	c.handshake("default", overPlain)
+	overPlainTook := time.Since(ready)
+	t.Logf("after a %v outage, re-subscribed %v (Dial) and %v (plain connection) after the daemon was ready",
+		outage, overDialTook.Round(time.Millisecond), overPlainTook.Round(time.Millisecond))
+	// Run's delay is at most 1 s; the probe is published every 20 ms.
+	assert.Less(t, overDialTook, 3*time.Second, "over Dial's connection")
+	assert.Less(t, overPlainTook, 3*time.Second, "over a plain connection")
+}
+
 // TestRealContainerExit runs a real container whose process exits with 42
 // and checks that its task events, the exit with its status among them,
-// reach the handler in order.
+// reach the handler.
+//
+// It pins what containerd does not guarantee. The shim publishes
+// TaskCreate, TaskStart and TaskExit through its own queue, in that order;
+// the daemon publishes TaskDelete itself when the task is deleted, which
+// `ctr run --rm` does as soon as Wait returns. So TaskDelete may reach
+// subscribers before TaskExit, and under load one of the two may never come:
+// the shim can be gone before its queued TaskExit is forwarded, and a delete
+// that races the shim's exit ends in the daemon's dead-shim cleanup, which
+// publishes nothing for a task already removed (seen with 2.4.2; see the
+// package doc). What does hold: at least one of them arrives, after
+// TaskCreate and TaskStart, and TaskExit, if it arrives, carries the status.
 func TestRealContainerExit(t *testing.T) {
 	t.Parallel()
 	skipUnless(t, os.Geteuid() == 0, "running containers needs root (a private mount namespace and runc)")
@@ -359,19 +484,38 @@ func TestRealContainerExit(t *testing.T) {
 	var exitErr *exec.ExitError
 	require.True(t, errors.As(err, &exitErr), "ctr run: %v: %s\ndaemon log:\n%s", err, out, d.log)
 	require.Equal(t, 42, exitErr.ExitCode(), "ctr reports the container's exit code")
-
-	waitFor(t, "the task's delete", func() bool {
-		evs := h.of("exit42")
-		return len(evs) > 0 && types(evs)[len(evs)-1] == "TaskDelete"
-	})
-	evs := h.of("exit42")
-	assert.Equal(t, []string{"TaskCreate", "TaskStart", "TaskExit", "TaskDelete"}, types(evs))
-	if len(evs) == 4 {
-		exit := evs[2].(*events.TaskExit)
-		assert.Equal(t, uint32(42), exit.ExitStatus)
-		assert.Equal(t, evs[1].(*events.TaskStart).Pid, exit.Pid)
-		assert.Equal(t, uint32(42), evs[3].(*events.TaskDelete).ExitStatus)
+	ended := func() (exit, deleted bool) {
+		got := types(h.of("exit42"))
+		return slices.Contains(got, "TaskExit"), slices.Contains(got, "TaskDelete")
 	}
+	waitFor(t, "the task's exit or delete", func() bool { exit, deleted := ended(); return exit || deleted })
+	// The other one, if it comes, comes soon after; it may not come at all.
+	for deadline := time.Now().Add(2 * time.Second); time.Now().Before(deadline); {
+		if exit, deleted := ended(); exit && deleted {
+			break
+		}
+		time.Sleep(5 * time.Millisecond) // polling for an event that may never come, with a deadline
+	}
+
+	evs := h.of("exit42")
+	got := types(evs)
+	byType := map[string]any{}
+	for i, e := range evs {
+		byType[got[i]] = e
+	}
+	var statuses []string
+	if e, ok := byType["TaskExit"].(*events.TaskExit); ok {
+		statuses = append(statuses, fmt.Sprint("exit ", e.ExitStatus))
+		assert.Equal(t, uint32(42), e.ExitStatus)
+		assert.Equal(t, byType["TaskStart"].(*events.TaskStart).Pid, e.Pid)
+	}
+	if e, ok := byType["TaskDelete"].(*events.TaskDelete); ok {
+		statuses = append(statuses, fmt.Sprint("delete ", e.ExitStatus))
+	}
+	t.Logf("task events in the order they arrived: %v (%s)", got, strings.Join(statuses, ", "))
+	shim := slices.DeleteFunc(slices.Clone(got), func(s string) bool { return s == "TaskDelete" })
+	assert.Equal(t, []string{"TaskCreate", "TaskStart"}, shim[:min(2, len(shim))], "the shim's own events keep their order")
+	assert.LessOrEqual(t, len(got), 4, "no task event twice")
 }
 
 // buildExitProgram builds a static program that exits with its argument.

@@ -119,6 +119,13 @@ func (d *daemon) stop() {
 	d.cmd = nil
 }
 
+// kill ends the daemon with SIGKILL, as a crash would, and waits for it.
+func (d *daemon) kill() {
+	d.cmd.Process.Kill()
+	d.cmd.Wait()
+	d.cmd = nil
+}
+
 // ctr runs ctr against the daemon, in its mount namespace if it has one.
 func (d *daemon) ctr(args ...string) (string, error) {
 	name, args := "ctr", append([]string{"--address", d.socket}, args...)

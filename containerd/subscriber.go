@@ -4,11 +4,16 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
+	"net"
+	"os"
+	"sync"
 	"time"
 
 	eventsapi "github.com/containerd/containerd/api/services/events/v1"
 	"github.com/containerd/typeurl/v2"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/connectivity"
 	"google.golang.org/grpc/credentials/insecure"
 
@@ -19,16 +24,40 @@ import (
 // containerd's own client does.
 const DefaultDialTimeout = 10 * time.Second
 
+// reconnectBackoff paces gRPC's own reconnection to the daemon. gRPC's
+// default grows towards two minutes, and after a long daemon outage it, not
+// Run's WithResubscribe, would decide when the stream comes back. The socket
+// is local: trying again every second at most costs nothing.
+var reconnectBackoff = backoff.Config{
+	BaseDelay:  100 * time.Millisecond,
+	Multiplier: 1.6,
+	Jitter:     0.2,
+	MaxDelay:   time.Second,
+}
+
 // Dial connects to containerd's gRPC socket at address, a unix socket path
 // such as /run/containerd/containerd.sock, and waits until the connection is
 // ready or ctx ends (DefaultDialTimeout if ctx has no deadline). Close the
 // connection when done.
+//
+// Dial fails at once, saying why, when there is no socket at address, when
+// address is not a socket, or when the socket cannot be opened (nobody
+// listens on it, or permission is denied); retry it yourself if the daemon
+// may still be starting. Once connected, the connection reconnects on its
+// own after a daemon restart, at most a second apart.
 func Dial(ctx context.Context, address string) (*grpc.ClientConn, error) {
 	if address == "" {
 		return nil, errors.New("containerd: empty socket address")
 	}
-	conn, err := grpc.NewClient("unix://"+address,
-		grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err := checkSocket(address); err != nil {
+		return nil, err
+	}
+	var dialer socketDialer
+	conn, err := grpc.NewClient("passthrough:///"+address,
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithContextDialer(dialer.dial),
+		grpc.WithConnectParams(grpc.ConnectParams{Backoff: reconnectBackoff, MinConnectTimeout: DefaultDialTimeout}),
+	)
 	if err != nil {
 		return nil, fmt.Errorf("containerd: dial %s: %w", address, err)
 	}
@@ -39,6 +68,12 @@ func Dial(ctx context.Context, address string) (*grpc.ClientConn, error) {
 	}
 	conn.Connect()
 	for state := conn.GetState(); state != connectivity.Ready; state = conn.GetState() {
+		if state == connectivity.TransientFailure {
+			if err := dialer.failure(); err != nil {
+				conn.Close()
+				return nil, fmt.Errorf("containerd: cannot open socket %s: %w", address, err)
+			}
+		}
 		if !conn.WaitForStateChange(ctx, state) {
 			conn.Close()
 			return nil, fmt.Errorf("containerd: %s not ready (last state %s): %w", address, state, ctx.Err())
@@ -47,13 +82,68 @@ func Dial(ctx context.Context, address string) (*grpc.ClientConn, error) {
 	return conn, nil
 }
 
+// checkSocket tells a missing socket or a path that is not one from a
+// daemon that is slow to answer, before gRPC retries in silence.
+func checkSocket(path string) error {
+	info, err := os.Stat(path)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return fmt.Errorf("containerd: no socket at %s (is containerd running, with this address?): %w", path, err)
+	case err != nil:
+		return fmt.Errorf("containerd: socket %s: %w", path, err)
+	case info.Mode().Type() != fs.ModeSocket:
+		return fmt.Errorf("containerd: %s is not a socket (%s)", path, fileKind(info.Mode()))
+	}
+	return nil
+}
+
+func fileKind(mode fs.FileMode) string {
+	if mode.IsDir() {
+		return "a directory"
+	}
+	if mode.IsRegular() {
+		return "a regular file"
+	}
+	return "mode " + mode.Type().String()
+}
+
+// socketDialer opens the unix socket for gRPC and remembers why the last
+// attempt failed, which gRPC itself only reports as TRANSIENT_FAILURE.
+type socketDialer struct {
+	mu      sync.Mutex
+	lastErr error
+}
+
+func (d *socketDialer) dial(ctx context.Context, path string) (net.Conn, error) {
+	conn, err := (&net.Dialer{}).DialContext(ctx, "unix", path)
+	d.mu.Lock()
+	d.lastErr = err
+	d.mu.Unlock()
+	return conn, err
+}
+
+func (d *socketDialer) failure() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.lastErr
+}
+
 // NewSubscriber returns a Subscriber over containerd's events service on
 // conn. Filters are containerd's (for example `topic~="/tasks/"` or
-// `namespace==k8s.io`) and pass through to the daemon. A stream that breaks
-// delivers its gRPC error on errs, then both channels close; when ctx ends
-// they close without an error. Nothing outlives ctx.
+// `namespace==k8s.io`; see Filters) and pass through to the daemon. A stream
+// that breaks delivers its gRPC error on errs, then both channels close;
+// when ctx ends they close without an error. Nothing outlives ctx.
+//
+// If conn is a *grpc.ClientConn, every subscription first wakes the
+// connection's reconnection, so that after a daemon restart the stream
+// comes back when Run re-subscribes, not when gRPC's reconnect backoff
+// (which may be minutes on a connection not made by Dial) next tries.
 func NewSubscriber(conn grpc.ClientConnInterface) eventmonitor.Subscriber {
-	return &subscriber{client: eventsapi.NewEventsClient(conn)}
+	s := &subscriber{client: eventsapi.NewEventsClient(conn)}
+	if r, ok := conn.(interface{ ResetConnectBackoff() }); ok {
+		s.reconnectNow = r.ResetConnectBackoff
+	}
+	return s
 }
 
 // streamBuffer is how many envelopes a subscription holds between the gRPC
@@ -61,7 +151,8 @@ func NewSubscriber(conn grpc.ClientConnInterface) eventmonitor.Subscriber {
 const streamBuffer = 128
 
 type subscriber struct {
-	client eventsapi.EventsClient
+	client       eventsapi.EventsClient
+	reconnectNow func() // nil unless the connection can be woken
 }
 
 func (s *subscriber) Subscribe(ctx context.Context, filters ...string) (<-chan *eventmonitor.Envelope, <-chan error) {
@@ -81,6 +172,9 @@ func (s *subscriber) Subscribe(ctx context.Context, filters ...string) (<-chan *
 
 // stream reads one subscription into ch until it fails or ctx ends.
 func (s *subscriber) stream(ctx context.Context, filters []string, ch chan<- *eventmonitor.Envelope) error {
+	if s.reconnectNow != nil {
+		s.reconnectNow()
+	}
 	stream, err := s.client.Subscribe(ctx, &eventsapi.SubscribeRequest{Filters: filters})
 	if err != nil {
 		return fmt.Errorf("containerd: subscribe: %w", err)
