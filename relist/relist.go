@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -104,14 +106,35 @@ type Relister struct {
 // record is what the last accepted listing said about one pod.
 type record struct {
 	containers []Container
-	seen       uint64 // the generation of the last listing that had the pod
-	reinspect  bool   // the last inspection failed: inspect again even if unchanged
+	states     map[string]State // containers by ID, for pods too big to scan; nil until needed
+	seen       uint64           // the generation of the last listing that had the pod
+	reinspect  bool             // the last inspection failed: inspect again even if unchanged
+}
+
+// setContainers replaces the record's containers, keeping its array.
+func (rec *record) setContainers(containers []Container) {
+	rec.containers = append(rec.containers[:0], containers...)
+	rec.states = nil
 }
 
 // New returns a Relister that lists with list and hands every event to sink.
 // Nonsensical option values (a period, threshold or worker count below 1)
-// fall back to the defaults.
+// fall back to the defaults. A nil list or sink is a programming error: New
+// panics at once.
+//
+// sink is called from one goroutine at a time, never concurrently: for each
+// relist, pod by pod in listing order (pods gone from the listing last, by
+// ID), each pod's events in the order of its listed containers, once the
+// pod's inspection succeeded. Inspections of different pods run in parallel
+// (WithInspectWorkers); a pod's events wait for its own inspection and for
+// the pods before it, so the sink sees one deterministic order.
 func New(list ListFunc, sink func(ctx context.Context, e Event) error, opts ...Option) *Relister {
+	switch {
+	case list == nil:
+		panic("relist: New with a nil ListFunc")
+	case sink == nil:
+		panic("relist: New with a nil sink")
+	}
 	r := &Relister{
 		list:      list,
 		sink:      sink,
@@ -181,6 +204,7 @@ func (r *Relister) Observe(podID string, c Container) {
 		rec = &record{seen: r.generation}
 		r.records[podID] = rec
 	}
+	rec.states = nil
 	for i := range rec.containers {
 		if rec.containers[i].ID == c.ID {
 			if c.State == StateNonExistent {
@@ -245,54 +269,80 @@ func (r *Relister) Relist(ctx context.Context) error {
 			r.records[pod.ID] = rec
 		}
 		rec.seen = r.generation
-		if !rec.reinspect && sameContainers(rec.containers, pod.Containers) {
+		if !rec.reinspect && sameContainers(rec, pod.Containers) {
 			continue // the common case: nothing to allocate, nothing to emit
 		}
 		work = append(work, podWork{id: pod.ID, pod: pod, events: r.diff(pod.ID, rec.containers, pod.Containers)})
 	}
+	listed := len(work)
 	for id, rec := range r.records {
 		if rec.seen != r.generation {
 			work = append(work, podWork{id: id, events: r.diff(id, rec.containers, nil)})
 		}
 	}
+	slices.SortFunc(work[listed:], func(a, b podWork) int { return strings.Compare(a.id, b.id) })
 	return r.apply(ctx, work)
 }
 
-func sameContainers(a, b []Container) bool {
-	if len(a) != len(b) {
+// scanLimit is the pod size up to which a reordered listing is compared by
+// scanning: a few dozen string comparisons cost less than a map lookup each.
+const scanLimit = 16
+
+// sameContainers reports whether a listing of a pod's containers says what
+// the record says, in whatever order: runtimes list a pod's containers in no
+// fixed order (containerd's CRI in Go map order), and a pod that only
+// reordered has not changed. Container IDs are unique within a pod.
+func sameContainers(rec *record, listing []Container) bool {
+	old := rec.containers
+	if len(old) != len(listing) {
 		return false
 	}
-	for i := range a {
-		if a[i] != b[i] {
+	i := 0
+	for i < len(old) && old[i] == listing[i] { // the common case: the same order
+		i++
+	}
+	if i == len(old) {
+		return true
+	}
+	if len(old) <= scanLimit {
+		for _, c := range listing[i:] {
+			if !slices.Contains(old[i:], c) {
+				return false
+			}
+		}
+		return true
+	}
+	if rec.states == nil {
+		rec.states = make(map[string]State, len(old))
+		for _, c := range old {
+			rec.states[c.ID] = c.State
+		}
+	}
+	for _, c := range listing[i:] {
+		if state, ok := rec.states[c.ID]; !ok || state != c.State {
 			return false
 		}
 	}
 	return true
 }
 
-// apply inspects and sinks the changed pods on the inspect workers, then
-// commits the records of those that succeeded.
+// apply inspects the changed pods on the inspect workers and, on this
+// goroutine, hands their events to the sink in work's order, each pod's as
+// soon as its inspection and the pods before it are done; then it commits
+// the records of the pods that succeeded.
 func (r *Relister) apply(ctx context.Context, work []podWork) error {
 	if len(work) == 0 {
 		return nil
 	}
+	inspected := r.inspectAll(ctx, work)
 	errs := make([]error, len(work))
-	next := make(chan int)
-	var wg sync.WaitGroup
-	for range min(r.workers, len(work)) {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := range next {
-				errs[i] = r.applyPod(ctx, work[i])
-			}
-		}()
+	for i, w := range work {
+		if err := <-inspected[i]; err != nil {
+			errs[i] = err
+			continue
+		}
+		errs[i] = r.sinkPod(ctx, w)
 	}
-	for i := range work {
-		next <- i
-	}
-	close(next)
-	wg.Wait()
 
 	for i, w := range work {
 		rec := r.records[w.id]
@@ -302,19 +352,49 @@ func (r *Relister) apply(ctx context.Context, work []podWork) error {
 		case w.pod == nil:
 			delete(r.records, w.id)
 		default:
-			rec.containers = append(rec.containers[:0], w.pod.Containers...)
+			rec.setContainers(w.pod.Containers)
 			rec.reinspect = false
 		}
 	}
 	return errors.Join(errs...)
 }
 
-func (r *Relister) applyPod(ctx context.Context, w podWork) error {
-	if r.inspect != nil {
-		if err := r.inspect(ctx, w.id, w.pod); err != nil {
-			return fmt.Errorf("relist: inspect pod %s: %w", w.id, err)
-		}
+// inspectAll starts inspecting work's pods on up to WithInspectWorkers
+// goroutines and returns where each pod's result arrives; all of them have
+// arrived by the time the caller has read them all.
+func (r *Relister) inspectAll(ctx context.Context, work []podWork) []chan error {
+	inspected := make([]chan error, len(work))
+	for i := range inspected {
+		inspected[i] = make(chan error, 1)
 	}
+	if r.inspect == nil {
+		for _, ch := range inspected {
+			ch <- nil
+		}
+		return inspected
+	}
+	next := make(chan int)
+	for range min(r.workers, len(work)) {
+		go func() {
+			for i := range next {
+				if err := r.inspect(ctx, work[i].id, work[i].pod); err != nil {
+					inspected[i] <- fmt.Errorf("relist: inspect pod %s: %w", work[i].id, err)
+					continue
+				}
+				inspected[i] <- nil
+			}
+		}()
+	}
+	go func() {
+		defer close(next)
+		for i := range work {
+			next <- i
+		}
+	}()
+	return inspected
+}
+
+func (r *Relister) sinkPod(ctx context.Context, w podWork) error {
 	for _, e := range w.events {
 		if err := r.sink(ctx, e); err != nil {
 			return fmt.Errorf("relist: pod %s: %s %s: %w", w.id, e.Type, e.ContainerID, err)

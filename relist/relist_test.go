@@ -72,14 +72,6 @@ func (s *sink) take() []Event {
 	return out
 }
 
-// takeByPod is take with the events grouped by pod: pods are applied in
-// parallel, so only each pod's own order is guaranteed.
-func (s *sink) takeByPod() []Event {
-	events := s.take()
-	slices.SortStableFunc(events, func(a, b Event) int { return strings.Compare(a.PodID, b.PodID) })
-	return events
-}
-
 func pod(id string, containers ...Container) Pod { return Pod{ID: id, Containers: containers} }
 func c(id string, s State) Container             { return Container{ID: id, State: s} }
 
@@ -147,7 +139,7 @@ func TestPodsAppearChangeAndDisappear(t *testing.T) {
 
 	rt.set(pod("p1", c("s1", StateRunning), c("a", StateExited), c("b", StateRunning)), pod("p2", c("s2", StateExited)))
 	require.NoError(t, r.Relist(ctx))
-	assert.Equal(t, []Event{{"p1", ContainerDied, "a"}, {"p1", ContainerStarted, "b"}, {"p2", ContainerDied, "s2"}}, out.takeByPod())
+	assert.Equal(t, []Event{{"p1", ContainerDied, "a"}, {"p1", ContainerStarted, "b"}, {"p2", ContainerDied, "s2"}}, out.take())
 
 	rt.set(pod("p2", c("s2", StateExited)))
 	require.NoError(t, r.Relist(ctx))
@@ -327,4 +319,108 @@ func TestObserveMakesTheNextRelistCompareWithTheStream(t *testing.T) {
 	r.Observe("p1", c("a", StateNonExistent))
 	require.NoError(t, r.Relist(ctx))
 	assert.Equal(t, []Event{{"p1", ContainerDied, "a"}}, out.take(), "a reappears as listed: exited")
+}
+
+// containerd's CRI lists a pod's containers in Go map order: a pod whose
+// listing only changed order has not changed, and is neither diffed nor
+// inspected again (kubelet compares by container ID too).
+func TestReorderedPodIsUnchanged(t *testing.T) {
+	for _, size := range []int{2, scanLimit + 4} { // scanned, and looked up by ID
+		t.Run(fmt.Sprint(size, " containers"), func(t *testing.T) {
+			var containers []Container
+			for i := range size {
+				containers = append(containers, c(fmt.Sprint("c", i), StateRunning))
+			}
+			reversed := slices.Clone(containers)
+			slices.Reverse(reversed)
+			rt, out := &runtime{}, &sink{}
+			inspections := 0
+			r := New(rt.list, out.add, WithInspect(func(context.Context, string, *Pod) error { inspections++; return nil }))
+			ctx := context.Background()
+			for i := range 10 {
+				if i%2 == 0 {
+					rt.set(pod("p", containers...))
+				} else {
+					rt.set(pod("p", reversed...))
+				}
+				require.NoError(t, r.Relist(ctx))
+			}
+			assert.Equal(t, 1, inspections, "inspected when it appeared, not for reordering")
+			assert.Len(t, out.take(), size, "one Started per container, nothing for reordering")
+
+			// A change in a reordered listing is still one.
+			changed := slices.Clone(reversed)
+			changed[size-1].State = StateExited // c0, last in the reversed order
+			rt.set(pod("p", changed...))
+			require.NoError(t, r.Relist(ctx))
+			assert.Equal(t, []Event{{"p", ContainerDied, "c0"}}, out.take())
+			assert.Equal(t, 2, inspections)
+
+			// A container turning unknown is re-inspected, as kubelet does,
+			// though WithChangedEvents is off and no event is emitted.
+			unknown := slices.Clone(changed)
+			unknown[0].State = StateUnknown
+			slices.Reverse(unknown)
+			rt.set(pod("p", unknown...))
+			require.NoError(t, r.Relist(ctx))
+			assert.Empty(t, out.take())
+			assert.Equal(t, 3, inspections)
+		})
+	}
+}
+
+// The sink is called from one goroutine, in listing order, even when
+// inspections finish in the opposite order: a sink that appends to a slice
+// without a lock is safe (the race detector checks it).
+func TestSinkIsCalledInOrderFromOneGoroutine(t *testing.T) {
+	const pods = 30
+	inspected := make([]chan struct{}, pods+1)
+	for i := range inspected {
+		inspected[i] = make(chan struct{})
+	}
+	close(inspected[pods])
+	var listing []Pod
+	for i := range pods {
+		listing = append(listing, pod(fmt.Sprint("p", i), c(fmt.Sprint("a", i), StateRunning), c(fmt.Sprint("b", i), StateExited)))
+	}
+	rt := &runtime{}
+	rt.set(listing...)
+	var events []Event // no lock: the sink must not be called concurrently
+	r := New(rt.list, func(_ context.Context, e Event) error { events = append(events, e); return nil },
+		WithInspectWorkers(pods),
+		WithInspect(func(_ context.Context, id string, _ *Pod) error {
+			var i int
+			fmt.Sscanf(id, "p%d", &i)
+			<-inspected[i+1] // the last pod's inspection finishes first
+			close(inspected[i])
+			return nil
+		}))
+	require.NoError(t, r.Relist(context.Background()))
+	var want []Event
+	for i := range pods {
+		want = append(want, Event{fmt.Sprint("p", i), ContainerStarted, fmt.Sprint("a", i)},
+			Event{fmt.Sprint("p", i), ContainerDied, fmt.Sprint("b", i)})
+	}
+	assert.Equal(t, want, events)
+
+	// Pods gone from the listing come last, by ID.
+	rt.set(listing[5:10]...)
+	r.inspect = nil
+	events = nil
+	require.NoError(t, r.Relist(context.Background()))
+	var gone []string
+	for _, e := range events {
+		if e.Type == ContainerRemoved && !slices.Contains(gone, e.PodID) {
+			gone = append(gone, e.PodID)
+		}
+	}
+	assert.True(t, slices.IsSortedFunc(gone, strings.Compare), "gone pods in ID order: %v", gone)
+	assert.Len(t, gone, pods-5)
+}
+
+func TestNewPanicsOnNil(t *testing.T) {
+	list := func(context.Context) ([]Pod, error) { return nil, nil }
+	sink := func(context.Context, Event) error { return nil }
+	assert.PanicsWithValue(t, "relist: New with a nil ListFunc", func() { New(nil, sink) })
+	assert.PanicsWithValue(t, "relist: New with a nil sink", func() { New(list, nil) })
 }
