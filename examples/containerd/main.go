@@ -84,7 +84,7 @@ func run(ctx context.Context, address, namespace string, fail float64, backoff t
 	defer cancelShutdown()
 	err = errors.Join(runErr, m.Shutdown(shutdownCtx))
 	s := m.Stats()
-	fmt.Printf("handled %d, failed %d calls, %d retries, %d filtered, %d dropped\n",
-		s.Handled, s.Failed, s.Retried, s.Filtered, s.Dropped)
+	fmt.Printf("handled %d, failed %d calls, %d retries, %d filtered, %d ignored, %d dropped\n",
+		s.Handled, s.Failed, s.Retried, s.Filtered, s.Ignored, s.Dropped)
 	return err
 }

@@ -67,7 +67,7 @@ func main() {
 	flag.DurationVar(&o.duration, "duration", 3*time.Second, "how long the runtime produces events")
 	flag.IntVar(&o.containers, "containers", 200, "containers in the simulated runtime")
 	flag.DurationVar(&o.backoff, "backoff", 50*time.Millisecond, "initial backoff (doubles up to 20x)")
-	flag.DurationVar(&o.settle, "settle", 3*time.Second, "how long retries may run after the runtime stops, before Shutdown")
+	flag.DurationVar(&o.settle, "settle", 30*time.Second, "at most how long retries may run after the runtime stops; Shutdown follows as soon as every queue drained")
 	flag.StringVar(&o.metrics, "metrics-addr", "", "serve Prometheus metrics on this address (e.g. localhost:9090) at /metrics")
 	flag.Parse()
 	if err := run(o); err != nil {
@@ -191,8 +191,9 @@ func run(o options) error {
 	if err := <-runDone; err != nil {
 		return fmt.Errorf("run: %w", err)
 	}
-	// Give the backoff queues up to o.settle to work off before shutting
+	// Let the backoff queues work off, for at most o.settle, before shutting
 	// down; Shutdown then replays what is left once and drops what fails.
+	settleStart := time.Now()
 	for deadline := time.Now().Add(o.settle); time.Now().Before(deadline); {
 		if s := m.Stats(); s.KeysInBackoff == 0 && s.Queued == 0 && s.InFlight == 0 {
 			break
@@ -205,8 +206,18 @@ func run(o options) error {
 	}
 	shutdownCtx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
+	settled := time.Since(settleStart)
+	waiting := m.Stats()
 	shutdownErr := m.Shutdown(shutdownCtx)
 	summary(time.Since(start), m.Stats())
+	if n := dropped[emprom.ReasonStopped]; n > 0 {
+		fmt.Printf("\n%d events were still waiting for a retry (%d keys in backoff) when the demo shut down after\n"+
+			"settling %v; Shutdown replayed them once and dropped the %d that failed again, with ErrStopped.\n"+
+			"A longer -settle (now %v) lets their retries finish; a lower -fail makes fewer of them.\n",
+			waiting.EventsInBackoff+waiting.Queued, waiting.KeysInBackoff, settled.Round(time.Millisecond), n, o.settle)
+	} else {
+		fmt.Printf("\nevery queue drained %v after the runtime stopped\n", settled.Round(time.Millisecond))
+	}
 	return account(rt, h, m.Stats(), dropped, shutdownErr)
 }
 
@@ -280,6 +291,7 @@ func account(rt *runtime, h *handler, s eventmonitor.Stats, dropped map[string]i
 	line("produced by the runtime", rt.produced, fmt.Sprintf("(%d exits via WatchExit)", rt.exits))
 	line("handled successfully", s.Handled, fmt.Sprintf("(the handler counted %d)", h.succeeded))
 	line("filtered (other namespace)", s.Filtered, "")
+	line("ignored (type not keyed)", s.Ignored, "")
 	for r, n := range dropped {
 		line("dropped: "+r, n, "")
 		totalDropped += n
@@ -287,7 +299,7 @@ func account(rt *runtime, h *handler, s eventmonitor.Stats, dropped map[string]i
 	line("still pending", s.Queued+s.EventsInBackoff+s.InFlight, "")
 	line("failed calls", s.Failed, fmt.Sprintf("(%d backoff replays)", s.Retried))
 	var problems []error
-	if got := int(s.Handled) + int(s.Filtered) + totalDropped; got != rt.produced || int(s.Received) != rt.produced {
+	if got := int(s.Handled) + int(s.Filtered) + int(s.Ignored) + totalDropped; got != rt.produced || int(s.Received) != rt.produced {
 		problems = append(problems, fmt.Errorf("%d produced, %d received, but %d accounted for", rt.produced, s.Received, got))
 	}
 	if int(s.Handled) != h.succeeded {
