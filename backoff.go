@@ -104,6 +104,13 @@ func (m *Monitor) rearm(t time.Time) {
 		return
 	}
 	m.armed, m.wakeAt = true, t
+	m.wakeScheduler()
+}
+
+// wakeScheduler makes the scheduler look at the heap and the calls again
+// and re-arm its timer; WaitIdle waits until it has. mu is held.
+func (m *Monitor) wakeScheduler() {
+	m.wakes++
 	select {
 	case m.wake <- struct{}{}:
 	default:
@@ -129,6 +136,7 @@ func (m *Monitor) scheduler() {
 	rearms := 0
 	for {
 		m.mu.Lock()
+		seen := m.wakes
 		now := m.cfg.clock.Now()
 		for len(m.due) > 0 && !m.due[0].due.After(now) {
 			m.startReplay(m.due[0])
@@ -166,6 +174,11 @@ func (m *Monitor) scheduler() {
 			}
 		}
 		rearms = 0
+		m.mu.Lock()
+		if m.armedFor = seen; m.armedFor == m.wakes {
+			m.signalProgress() // the timer is as the heap and the calls want it: WaitIdle may return
+		}
+		m.mu.Unlock()
 		select {
 		case <-timer.C():
 		case <-m.wake:

@@ -17,7 +17,6 @@ func TestOrderPerKeyUnderFailures(t *testing.T) {
 	h.submit(t, evs("a", 1, 2, 3, 4, 5)...)
 	<-started
 	release()
-	waitFor(t, func() bool { return h.m.Stats().Failed == 1 }, "a/2 should fail once")
 	h.settled(t)
 
 	// a/2 failed: it and everything behind it wait in backoff, in order.
@@ -32,10 +31,9 @@ func TestOrderPerKeyUnderFailures(t *testing.T) {
 	assert.Equal(t, anys(evs("a", 2, 3, 4, 5, 6)...), h.pending("a").Events)
 	assert.Equal(t, anys(ev{"a", 1}), r.handledList())
 
-	h.clock.Step(DefaultInitialBackoff)
-	waitFor(t, func() bool { return len(r.handledList()) == 6 }, "replay should handle everything")
-	assert.Equal(t, anys(evs("a", 1, 2, 3, 4, 5, 6)...), r.handledList())
-	waitFor(t, func() bool { return !h.m.InBackoff("a") }, "a should leave backoff")
+	h.step(t, DefaultInitialBackoff)
+	assert.Equal(t, anys(evs("a", 1, 2, 3, 4, 5, 6)...), r.handledList(), "the replay handles everything")
+	assert.False(t, h.m.InBackoff("a"), "a leaves backoff")
 	assert.Equal(t, uint64(1), h.m.Stats().Retried)
 }
 
@@ -48,13 +46,11 @@ func TestReplayStopsAtFirstFailureAndKeepsTheRest(t *testing.T) {
 	h.submit(t, evs("a", 1, 2, 3, 4)...)
 	<-started
 	release()
-	waitFor(t, func() bool { return h.m.Stats().Failed == 1 }, "a/1 fails")
 	h.settled(t)
 	assert.Equal(t, anys(evs("a", 1, 2, 3, 4)...), h.pending("a").Events)
 
-	h.clock.Step(time.Second)
-	waitFor(t, func() bool { return h.m.Stats().Failed == 2 }, "a/3 fails in the replay")
-	h.settled(t)
+	h.step(t, time.Second)
+	require.Equal(t, uint64(2), h.m.Stats().Failed, "a/3 fails in the replay")
 	// The replay handled a/1 and a/2, stopped at a/3 and kept a/3 and a/4.
 	// It made progress, so a/3 waits the initial delay, not a doubled one.
 	assert.Equal(t, anys(evs("a", 1, 2)...), r.handledList())
@@ -62,9 +58,8 @@ func TestReplayStopsAtFirstFailureAndKeepsTheRest(t *testing.T) {
 	assert.Equal(t, anys(evs("a", 3, 4)...), p.Events)
 	assert.Equal(t, h.clock.Now().Add(time.Second), p.Due)
 
-	h.clock.Step(time.Second)
-	waitFor(t, func() bool { return len(r.handledList()) == 4 }, "second replay succeeds")
-	assert.Equal(t, anys(evs("a", 1, 2, 3, 4)...), r.handledList())
+	h.step(t, time.Second)
+	assert.Equal(t, anys(evs("a", 1, 2, 3, 4)...), r.handledList(), "the second replay succeeds")
 }
 
 // Only a replay that fails on the event that failed before doubles the
@@ -78,13 +73,12 @@ func TestDelayDoublesOnlyWithoutProgress(t *testing.T) {
 	h.submit(t, evs("a", 1, 2, 3)...)
 
 	for i, want := range []time.Duration{1, 2, 1, 2} {
-		waitFor(t, func() bool { return h.m.Stats().Failed == uint64(i+1) }, "failure %d", i+1)
 		h.settled(t)
 		p := h.pending("a")
 		require.Equal(t, want*time.Second, p.Due.Sub(h.clock.Now()), "delay after failure %d", i+1)
 		h.clock.Step(p.Due.Sub(h.clock.Now()))
 	}
-	waitFor(t, func() bool { return len(r.handledList()) == 3 }, "all handled")
+	h.settled(t)
 	assert.Equal(t, anys(evs("a", 1, 2, 3)...), r.handledList())
 }
 
@@ -95,7 +89,6 @@ func TestDelayDoublesAndCaps(t *testing.T) {
 	h.submit(t, ev{"a", 1})
 
 	for i, want := range []time.Duration{1, 2, 4, 5, 5, 5} {
-		waitFor(t, func() bool { return h.m.Stats().Failed == uint64(i+1) }, "failure %d", i+1)
 		h.settled(t)
 		p := h.pending("a")
 		require.Equal(t, want*time.Second, p.Due.Sub(h.clock.Now()), "delay after failure %d", i+1)
@@ -109,11 +102,8 @@ func TestDelayResetsAfterReplaySucceeds(t *testing.T) {
 	h := newHarness(t, r)
 	r.fail(ev{"a", 1}, 2) // fails at first, and in the first replay: delay 2 s
 	h.submit(t, ev{"a", 1})
-	waitFor(t, func() bool { return h.m.Stats().Failed == 1 }, "first failure")
-	h.settled(t)
-	h.clock.Step(time.Second)
-	waitFor(t, func() bool { return h.m.Stats().Failed == 2 }, "replay fails")
-	h.settled(t)
+	h.step(t, time.Second)
+	require.Equal(t, uint64(2), h.m.Stats().Failed, "the replay fails")
 	require.Equal(t, 2*time.Second, h.pending("a").Due.Sub(h.clock.Now()))
 
 	// The next replay runs a/1 while a/2 arrives; a/2 joined during the
@@ -124,8 +114,8 @@ func TestDelayResetsAfterReplaySucceeds(t *testing.T) {
 	<-started
 	h.submit(t, ev{"a", 2})
 	release()
-	waitFor(t, func() bool { return h.m.Stats().Failed == 3 }, "a/2 fails")
 	h.settled(t)
+	require.Equal(t, uint64(3), h.m.Stats().Failed, "a/2 fails")
 	p := h.pending("a")
 	assert.Equal(t, anys(ev{"a", 2}), p.Events)
 	assert.Equal(t, time.Second, p.Due.Sub(h.clock.Now()), "delay must reset after a successful replay")
@@ -140,8 +130,8 @@ func TestJitterStaysInItsBand(t *testing.T) {
 		r.fail(e, 1)
 		h.submit(t, e)
 	}
-	waitFor(t, func() bool { return h.m.Stats().Failed == keys }, "every key fails once")
 	h.settled(t)
+	require.Equal(t, uint64(keys), h.m.Stats().Failed, "every key fails once")
 	seen := map[time.Duration]bool{}
 	for _, p := range h.m.Pending() {
 		d := p.Due.Sub(epoch)
@@ -163,9 +153,8 @@ func TestBackoffPutsEventStraightIntoBackoff(t *testing.T) {
 	assert.Equal(t, epoch.Add(time.Second), p.Due)
 	assert.Equal(t, 0, r.callCount())
 
-	h.clock.Step(time.Second)
-	waitFor(t, func() bool { return len(r.handledList()) == 2 }, "replay handles both")
-	assert.Equal(t, anys(evs("a", 1, 2)...), r.handledList())
+	h.step(t, time.Second)
+	assert.Equal(t, anys(evs("a", 1, 2)...), r.handledList(), "the replay handles both")
 }
 
 func TestForgetReturnsTheBackoffQueue(t *testing.T) {
@@ -183,9 +172,9 @@ func TestForgetReturnsTheBackoffQueue(t *testing.T) {
 	assert.Zero(t, s.EventsInBackoff)
 
 	// Nothing fires for the forgotten key.
-	h.clock.Step(time.Hour)
+	h.step(t, time.Hour)
 	h.submit(t, ev{"b", 1})
-	waitFor(t, func() bool { return len(r.handledList()) == 1 }, "b handled")
+	h.settled(t)
 	assert.Equal(t, anys(ev{"b", 1}), r.handledList())
 }
 
@@ -195,8 +184,8 @@ func TestDueHeapOrdersManyKeys(t *testing.T) {
 	// Keys put in backoff one second apart replay one at a time, in due order.
 	for i := range 5 {
 		h.m.Backoff(string(rune('a'+i)), ev{string(rune('a' + i)), 1})
-		h.clock.Step(time.Second)
-		waitFor(t, func() bool { return len(r.handledList()) == i+1 }, "key %d replayed", i)
+		h.step(t, time.Second)
+		require.Len(t, r.handledList(), i+1, "key %d replayed", i)
 	}
 	got := r.handledList()
 	for i, e := range got {

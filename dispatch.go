@@ -33,6 +33,7 @@ func (m *Monitor) nextReady() (k *keyState, waited bool) {
 			k := m.ready.pop()
 			k.ready = false
 			if k.running == nil && k.heapIndex < 0 && k.queue.len() > 0 {
+				m.holding++
 				return k, waited
 			}
 			m.releaseIfIdle(k)
@@ -102,11 +103,14 @@ func (m *Monitor) mayContinue(k *keyState, turn int) bool {
 	return turn < maxTurn || m.ready.len() == 0
 }
 
-// handBack puts k in the run queue if it has more to run, and forgets it if
-// it is idle. mu is held.
+// handBack ends a goroutine's hold on k: it puts k in the run queue if it
+// has more to run, and forgets it if it is idle. mu is held.
 func (m *Monitor) handBack(k *keyState) {
 	if !m.schedule(k) {
 		m.releaseIfIdle(k)
+	}
+	if m.holding--; m.holding == 0 {
+		m.signalProgress() // WaitIdle may be waiting for this
 	}
 }
 

@@ -8,6 +8,7 @@ import (
 
 	"github.com/containerd/typeurl/v2"
 	"google.golang.org/protobuf/types/known/wrapperspb"
+	testclock "k8s.io/utils/clock/testing"
 
 	"github.com/eventmonitor/eventmonitor"
 )
@@ -269,4 +270,41 @@ func ExampleMonitor_Submit() {
 	// Output:
 	// waiting: c1 [c1 start c1 stop] after 1 attempt
 	// forgotten: [c1 start c1 stop]
+}
+
+// WaitIdle and NextRetry step a fake clock through a failing event's
+// retries: each step lands exactly on a due time, with no sleep and no
+// race. The eventmonitortest package wraps these steps for tests.
+func ExampleMonitor_WaitIdle() {
+	clk := testclock.NewFakeClock(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
+	calls := 0
+	m, err := eventmonitor.New(eventmonitor.HandlerFunc(func(ctx context.Context, event any) error {
+		if calls++; calls < 3 {
+			return errors.New("shim not answering")
+		}
+		return nil
+	}), eventmonitor.WithClock(clk))
+	if err != nil {
+		panic(err)
+	}
+	defer m.Stop()
+
+	ctx := context.Background()
+	_ = m.Submit("c1", "exit of c1")
+	for {
+		if err := m.WaitIdle(ctx); err != nil {
+			panic(err)
+		}
+		due, waiting := m.NextRetry()
+		if !waiting {
+			break
+		}
+		fmt.Printf("call %d failed; retry due in %v\n", calls, due.Sub(clk.Now()))
+		clk.SetTime(due)
+	}
+	fmt.Println("handled at call", calls)
+	// Output:
+	// call 1 failed; retry due in 1s
+	// call 2 failed; retry due in 2s
+	// handled at call 3
 }

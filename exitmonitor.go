@@ -119,6 +119,7 @@ func (m *Monitor) handleExit(key string, build func(uint32, time.Time) any, code
 		return
 	}
 	m.busy++
+	m.holding++
 	if _, fate := m.handleNext(k, m.sinceEpoch(), false); fate != callAbandoned {
 		m.handBack(k)
 		m.leave()

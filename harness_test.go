@@ -191,13 +191,21 @@ func (h *harness) submit(t *testing.T, events ...ev) {
 	}
 }
 
-// settled waits until nothing is queued for a worker or in flight.
+// settled waits until the monitor is idle (WaitIdle): everything given to
+// it handled or waiting in backoff for a time still to come.
 func (h *harness) settled(t *testing.T) {
 	t.Helper()
-	waitFor(t, func() bool {
-		s := h.m.Stats()
-		return s.Queued == 0 && s.InFlight == 0
-	}, "monitor did not settle: %+v", h.m.Stats())
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	require.NoError(t, h.m.WaitIdle(ctx), "monitor did not settle: %+v", h.m.Stats())
+}
+
+// step settles the monitor, moves the clock by d and settles it again.
+func (h *harness) step(t *testing.T, d time.Duration) {
+	t.Helper()
+	h.settled(t)
+	h.clock.Step(d)
+	h.settled(t)
 }
 
 // pending returns key's backoff queue, or a zero Pending.

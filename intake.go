@@ -123,6 +123,13 @@ func (in *envelopeIntake) flush(ctx context.Context) {
 		}
 		drops = append(drops, d)
 	}
+	clear(in.batch) // let the GC have the envelopes; refused and newlyIgnored hold copies
+	in.batch = in.batch[:0]
+	if len(refused) == 0 && len(newlyIgnored) == 0 {
+		m.doneIntake()
+		m.mu.Unlock()
+		return
+	}
 	m.mu.Unlock()
 	for _, c := range newlyIgnored {
 		m.cfg.logger.WithFields(log.Fields{"topic": c.env.Topic, "namespace": c.env.Namespace,
@@ -136,8 +143,17 @@ func (in *envelopeIntake) flush(ctx context.Context) {
 		}
 		m.emit(drops[i])
 	}
-	clear(in.batch) // let the GC have the envelopes
-	in.batch = in.batch[:0]
+	m.mu.Lock()
+	m.doneIntake()
+	m.mu.Unlock()
+}
+
+// doneIntake ends a batch's intake, once everything it asked of the drop
+// handler and the log is done. mu is held.
+func (m *Monitor) doneIntake() {
+	if m.intaking.Add(-1) == 0 {
+		m.signalProgress()
+	}
 }
 
 // firstIgnored reports whether url is ignored for the first time, up to

@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/containerd/log"
@@ -39,6 +40,7 @@ type Monitor struct {
 	progressWaiters int
 	idleWorkers     int
 	busy            int // goroutines Stop waits for: workers, inline exit calls
+	holding         int // goroutines holding a key, from taking it to handing it back
 	overrunning     int // calls past their deadline, still running
 	replaced        int // of those, calls whose worker a new one replaced
 	abandonedCalls  int // calls Stop gave up waiting for
@@ -50,7 +52,9 @@ type Monitor struct {
 	calls           callList
 	armed           bool // the scheduler will wake by wakeAt
 	wakeAt          time.Time
-	queued          int // events in queues, in backoff or not
+	wakes           uint64 // requests to the scheduler to look again
+	armedFor        uint64 // the requests its timer has taken into account
+	queued          int    // events in queues, in backoff or not
 	keysInBackoff   int
 	eventsInBackoff int
 	stats           Stats // counters only; gauges are filled in by Stats()
@@ -60,6 +64,7 @@ type Monitor struct {
 	lifetimes       []chan error    // bare Starts' channels, closed by Stop
 	ignoredURLs     map[string]bool // type URLs ignored so far, for logging once
 
+	intaking      atomic.Int32    // stream batches read but not yet accepted
 	intake        context.Context // ends when Stop or Shutdown begins
 	cancelIntake  context.CancelFunc
 	wake          chan struct{}
@@ -97,6 +102,7 @@ func New(h Handler, opts ...Option) (*Monitor, error) {
 		epoch:         cfg.clock.Now(),
 		keys:          make(map[string]*keyState),
 		busy:          cfg.workers,
+		wakes:         1, // the scheduler's first pass
 		wake:          make(chan struct{}, 1),
 		quit:          make(chan struct{}),
 		schedulerDone: make(chan struct{}),
@@ -208,6 +214,7 @@ func (m *Monitor) Forget(key string) []any {
 	}
 	if k.heapIndex >= 0 {
 		m.due.remove(k)
+		m.wakeScheduler() // its timer may be set for this key
 	}
 	k.replayLeft, k.replayStarting = 0, false
 	var events []any
@@ -258,6 +265,72 @@ func (m *Monitor) Pending() []Pending {
 	}
 	slices.SortFunc(out, func(a, b Pending) int { return strings.Compare(a.Key, b.Key) })
 	return out
+}
+
+// WaitIdle waits until the monitor has done all it can with what it was
+// given: no handler call running, no key waiting for a worker or held by one,
+// no batch of stream envelopes being accepted, and no backoff replay due at
+// the clock's now. What is left are keys waiting in backoff for a time still
+// to come (see NextRetry). It returns ctx's error if ctx ends first, and
+// ErrStopped once the monitor is stopped.
+//
+// It is the sync point of tests on a fake clock: Submit, WaitIdle, then step
+// the clock to NextRetry and WaitIdle again, with no sleep and no race (the
+// eventmonitortest package wraps these steps). Events count as given once
+// Submit or Backoff returned, once WatchExit's channel closed, or once the
+// stream reader took them from the subscription's channel; an envelope a
+// test sends on an unbuffered channel is taken when the send returns, but
+// WaitIdle may run in the instant before the reader notes it, so tests of
+// stream intake should also wait for Stats().Received (or use
+// testing/synctest, which sees every goroutine).
+//
+// A call that overruns its timeout keeps the monitor busy until it returns.
+func (m *Monitor) WaitIdle(ctx context.Context) error {
+	defer context.AfterFunc(ctx, func() {
+		m.mu.Lock()
+		m.progress.Broadcast()
+		m.mu.Unlock()
+	})()
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for !m.idle() {
+		switch {
+		case m.state == stateStopped:
+			return ErrStopped
+		case ctx.Err() != nil:
+			return ctx.Err()
+		}
+		m.waitProgress()
+	}
+	return nil
+}
+
+// idle reports what WaitIdle waits for. Once nothing else moves, it also
+// has the scheduler drop a timer armed for the deadline of a call that has
+// returned since, so that an idle monitor holds no timer on its clock but
+// for the next retry. mu is held.
+func (m *Monitor) idle() bool {
+	quiet := m.holding == 0 && m.calls.n == 0 && m.ready.len() == 0 && m.intaking.Load() == 0 &&
+		(len(m.due) == 0 || m.due[0].due.After(m.cfg.clock.Now()))
+	if !quiet || m.armedFor != m.wakes {
+		return false
+	}
+	if len(m.due) == 0 && !m.armed || len(m.due) > 0 && m.armed && m.wakeAt.Equal(m.due[0].due) {
+		return true
+	}
+	m.wakeScheduler()
+	return false
+}
+
+// NextRetry returns when the next backoff replay is due, and false if no
+// key is waiting in backoff.
+func (m *Monitor) NextRetry() (time.Time, bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if len(m.due) == 0 {
+		return time.Time{}, false
+	}
+	return m.due[0].due, true
 }
 
 // Stats holds the monitor's counters and gauges.
@@ -390,10 +463,7 @@ func (m *Monitor) stop() {
 	}
 	m.workAvailable.Broadcast()
 	m.progress.Broadcast()
-	select { // let the scheduler abandon calls already past their deadline
-	case m.wake <- struct{}{}:
-	default:
-	}
+	m.wakeScheduler() // to abandon calls already past their deadline
 	for m.busy > 0 {
 		m.waitProgress()
 	}

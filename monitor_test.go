@@ -345,11 +345,12 @@ func TestPanicIsAFailure(t *testing.T) {
 		return nil
 	}))
 	require.NoError(t, h.m.Submit("a", ev{"a", 1}))
-	waitFor(t, func() bool { return h.m.InBackoff("a") }, "panic sends the event to backoff")
+	h.settled(t)
+	assert.True(t, h.m.InBackoff("a"), "the panic sends the event to backoff")
 	assert.Equal(t, uint64(1), h.m.Stats().Failed)
 	assert.True(t, h.logged("event handler panicked", "a"))
-	h.clock.Step(time.Second)
-	waitFor(t, func() bool { return h.m.Stats().Handled == 1 }, "retry succeeds")
+	h.step(t, time.Second)
+	assert.Equal(t, uint64(1), h.m.Stats().Handled, "the retry succeeds")
 }
 
 func TestMaxAttemptsGivesUpAndGoesOn(t *testing.T) {
@@ -357,16 +358,13 @@ func TestMaxAttemptsGivesUpAndGoesOn(t *testing.T) {
 	h := newHarness(t, r, WithMaxAttempts(2))
 	r.fail(ev{"a", 1}, 10)
 	h.submit(t, evs("a", 1, 2)...)
-	waitFor(t, func() bool { return h.m.Stats().Failed == 1 }, "first failure")
-	h.settled(t)
-	h.clock.Step(time.Second)
-	waitFor(t, func() bool { return len(r.handledList()) == 1 }, "a/2 handled after a/1 is given up")
-	assert.Equal(t, anys(ev{"a", 2}), r.handledList())
+	h.step(t, time.Second)
+	assert.Equal(t, anys(ev{"a", 2}), r.handledList(), "a/2 handled after a/1 is given up")
 	drops := h.drops.all()
 	require.Len(t, drops, 1)
 	assert.ErrorIs(t, drops[0].Reason, ErrMaxAttempts)
 	assert.Equal(t, anys(ev{"a", 1}), drops[0].Events)
-	waitFor(t, func() bool { return !h.m.InBackoff("a") }, "a leaves backoff")
+	assert.False(t, h.m.InBackoff("a"), "a leaves backoff")
 }
 
 func TestMaxQueuedPerKeyRefusesOverflow(t *testing.T) {
@@ -386,7 +384,6 @@ func TestStatsAccountForEveryEvent(t *testing.T) {
 	r.fail(ev{"b", 1}, 1)
 	h.submit(t, ev{"a", 1}, ev{"b", 1}, ev{"c", 1})
 	h.m.Backoff("d", ev{"d", 1})
-	waitFor(t, func() bool { return h.m.Stats().Handled == 2 }, "a and c handled")
 	h.settled(t)
 	s := h.m.Stats()
 	assert.Equal(t, Stats{Received: 4, Handled: 2, Failed: 1, KeysInBackoff: 2, EventsInBackoff: 2}, s)
@@ -414,11 +411,12 @@ func TestIdleKeysAreBounded(t *testing.T) {
 	r.fail(ev{"c0", 1}, 1)
 	r.fail(ev{fmt.Sprintf("c%d", total-1), 1}, 1)
 	h.submit(t, ev{"c0", 1}, ev{fmt.Sprintf("c%d", total-1), 1})
-	waitFor(t, func() bool { return len(h.m.Pending()) == 2 }, "both keys fail once")
+	h.settled(t)
+	require.Len(t, h.m.Pending(), 2, "both keys fail once")
 	for _, p := range h.m.Pending() {
 		assert.Equal(t, 1, p.Attempts, p.Key)
 		assert.Equal(t, epoch.Add(time.Second), p.Due, "%s waits the initial delay", p.Key)
 	}
-	h.clock.Step(time.Second)
-	waitFor(t, func() bool { return len(r.handledList()) == total+2 }, "both retried")
+	h.step(t, time.Second)
+	assert.Len(t, r.handledList(), total+2, "both retried")
 }

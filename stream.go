@@ -103,9 +103,9 @@ func (m *Monitor) Start() <-chan error {
 	go func() {
 		defer m.goroutines.Done()
 		defer close(errCh)
-		defer m.doneReading() // before the close: a Run waiting on errCh may start at once
 		_, err := m.consume(m.intake, sub, nil)
 		sub.cancel()
+		m.doneReading() // before reporting: whoever reads errCh may Run or Start at once
 		if err != nil && m.intake.Err() == nil {
 			m.cfg.logger.WithError(err).Error("event stream failed")
 			errCh <- err
@@ -250,6 +250,7 @@ func (m *Monitor) consume(ctx context.Context, sub *subscription, established fu
 				return delivered, sub.closedErr()
 			}
 			delivered = true
+			m.intaking.Add(1) // until flush accepted the batch: WaitIdle waits for it
 			establish()
 			in.add(env)
 			open := in.fill(sub.ch)

@@ -1,0 +1,70 @@
+// Package eventmonitortest steps a fake clock through a monitor's retries,
+// for tests of handlers that run under an eventmonitor.Monitor.
+//
+// Build the monitor on a k8s.io/utils/clock/testing.FakeClock
+// (eventmonitor.WithClock), hand it events, and let Step and
+// StepToNextRetry move time: each waits until the monitor is idle
+// (Monitor.WaitIdle) before and after moving the clock, so a test asserts
+// what happened at exactly that time with no sleep and no race.
+//
+//	clk := testclock.NewFakeClock(start)
+//	m, _ := eventmonitor.New(handler, eventmonitor.WithClock(clk))
+//	m.Submit("c1", event)                          // fails: backs off 1 s
+//	eventmonitortest.Step(t, m, clk, 999*time.Millisecond) // not retried yet
+//	eventmonitortest.Step(t, m, clk, time.Millisecond)     // retried now
+//
+// While a handler call runs, its deadline holds a timer on the clock, so
+// FakeClock.HasWaiters is true then; an idle monitor holds none unless a key
+// waits in backoff. Tests should not use HasWaiters to learn whether a retry
+// is scheduled: use NextRetry or Monitor.Pending.
+package eventmonitortest
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	testclock "k8s.io/utils/clock/testing"
+
+	"github.com/eventmonitor/eventmonitor"
+)
+
+// Timeout bounds every wait; a monitor that does not settle within it fails
+// the test rather than hanging it.
+const Timeout = 10 * time.Second
+
+// Settle waits until m has done all it can with what it was given (see
+// Monitor.WaitIdle), failing t after Timeout.
+func Settle(t testing.TB, m *eventmonitor.Monitor) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), Timeout)
+	defer cancel()
+	if err := m.WaitIdle(ctx); err != nil {
+		t.Fatalf("eventmonitortest: monitor did not settle: %v (stats %+v)", err, m.Stats())
+	}
+}
+
+// Step settles m, moves clk forward by d, and settles m again: whatever was
+// due by then has run.
+func Step(t testing.TB, m *eventmonitor.Monitor, clk *testclock.FakeClock, d time.Duration) {
+	t.Helper()
+	Settle(t, m)
+	clk.Step(d)
+	Settle(t, m)
+}
+
+// StepToNextRetry settles m, moves clk to the moment the next backoff replay
+// is due, settles m again, and returns how far it moved the clock: the
+// delay a test asserts. It fails t if no key is waiting in backoff.
+func StepToNextRetry(t testing.TB, m *eventmonitor.Monitor, clk *testclock.FakeClock) time.Duration {
+	t.Helper()
+	Settle(t, m)
+	due, ok := m.NextRetry()
+	if !ok {
+		t.Fatalf("eventmonitortest: no key is waiting in backoff (stats %+v)", m.Stats())
+	}
+	step := max(0, due.Sub(clk.Now()))
+	clk.Step(step)
+	Settle(t, m)
+	return step
+}
