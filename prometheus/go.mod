@@ -3,7 +3,7 @@ module github.com/eventmonitor/eventmonitor/prometheus
 go 1.23.0
 
 require (
-	github.com/eventmonitor/eventmonitor v0.0.0
+	github.com/eventmonitor/eventmonitor v0.1.0
 	github.com/stretchr/testify v1.12.1
 	go.uber.org/goleak v1.3.0
 )
