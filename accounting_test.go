@@ -35,7 +35,14 @@ func envInt(t *testing.T, name string, def uint64) uint64 {
 // handling follows its acceptance order.
 //
 // EVENTMONITOR_SEED picks the seed; EVENTMONITOR_SOAK_EVENTS scales the run.
+// It runs with handle timeouts, call by call, and without (WithHandleTimeout
+// of 0), where workers take a key's events in runs.
 func TestAccountingUnderChaos(t *testing.T) {
+	t.Run("deadlines", func(t *testing.T) { testAccountingUnderChaos(t) })
+	t.Run("no-deadline", func(t *testing.T) { testAccountingUnderChaos(t, WithHandleTimeout(0)) })
+}
+
+func testAccountingUnderChaos(t *testing.T, opts ...Option) {
 	seed := envInt(t, "EVENTMONITOR_SEED", 1)
 	perSubmitter := int(envInt(t, "EVENTMONITOR_SOAK_EVENTS", 4000)) / 4
 	const submitters, keysEach, streamKeys = 3, 10, 10
@@ -83,9 +90,9 @@ func TestAccountingUnderChaos(t *testing.T) {
 		fmt.Sscanf(v.GetValue(), "%s", &key)
 		return key
 	}))
-	h := newHarness(t, handler, WithWorkers(4), WithConverter(conv), WithMaxAttempts(6),
+	h := newHarness(t, handler, append([]Option{WithWorkers(4), WithConverter(conv), WithMaxAttempts(6),
 		WithBackoff(10*time.Millisecond, 80*time.Millisecond), WithJitter(0.2),
-		WithResubscribe(10*time.Millisecond, 40*time.Millisecond))
+		WithResubscribe(10*time.Millisecond, 40*time.Millisecond)}, opts...)...)
 
 	var accepted sync.Map // event -> true
 	stream := newFakeStream()
@@ -94,6 +101,7 @@ func TestAccountingUnderChaos(t *testing.T) {
 	go func() { runDone <- h.m.Run(runCtx, stream) }()
 
 	// The clock moves on its own, fast, as long as the test runs.
+	var unaccounted atomic.Value
 	stepping := make(chan struct{})
 	stepperDone := make(chan struct{})
 	go func() {
@@ -104,6 +112,12 @@ func TestAccountingUnderChaos(t *testing.T) {
 				return
 			default:
 				h.clock.Step(5 * time.Millisecond)
+				// Every snapshot accounts for every event, mid-flight too.
+				s := h.m.Stats()
+				if in := s.Handled + s.Dropped + s.Forgotten + s.Filtered + s.Ignored +
+					uint64(s.Queued+s.EventsInBackoff+s.InFlight); in != s.Received {
+					unaccounted.Store(fmt.Sprintf("%d received, %d accounted for: %+v", s.Received, in, s))
+				}
 				runtime.Gosched()
 			}
 		}
@@ -191,6 +205,7 @@ func TestAccountingUnderChaos(t *testing.T) {
 		return true
 	})
 	require.Zero(t, orderViolations.Load(), "successful handling out of acceptance order")
+	require.Nil(t, unaccounted.Load(), "a Stats snapshot taken during the run")
 	s := h.m.Stats()
 	require.Equal(t, uint64(n), s.Received)
 	require.Equal(t, s.Received, s.Handled+s.Dropped)

@@ -146,7 +146,7 @@ func (m *Monitor) scheduler() {
 		if len(m.due) > 0 {
 			m.armed, m.wakeAt = true, m.due[0].due
 		}
-		if c := m.calls.firstLive(); c != nil && (!m.armed || c.deadline().Before(m.wakeAt)) {
+		if c := m.calls.firstLive(); c != nil && m.cfg.handleTimeout > 0 && (!m.armed || c.deadline().Before(m.wakeAt)) {
 			m.armed, m.wakeAt = true, c.deadline()
 		}
 		armed, wakeAt := m.armed, m.wakeAt

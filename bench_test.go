@@ -53,7 +53,11 @@ func BenchmarkFastPath(b *testing.B) {
 		for _, tc := range []struct {
 			name string
 			opts []Option
-		}{{"no-metrics", nil}, {"noop-metrics", []Option{WithMetrics(noopMetrics{})}}} {
+		}{
+			{"no-metrics", nil},
+			{"noop-metrics", []Option{WithMetrics(noopMetrics{})}},
+			{"no-deadline", []Option{WithHandleTimeout(0)}},
+		} {
 			b.Run(tc.name+"/workers="+strconv.Itoa(workers), func(b *testing.B) {
 				m, done := newCountingMonitor(b, append([]Option{WithWorkers(workers)}, tc.opts...)...)
 				event := any(struct{}{})

@@ -11,29 +11,29 @@ import (
 // handlerContext is the context of one handler call. Its deadline is driven
 // by the monitor's clock through the scheduler's single timer, rather than by
 // context.WithTimeout, for two reasons: a FakeClock then controls handler
-// timeouts as it controls retries, and a call costs one small allocation
-// instead of a cancelCtx, a timerCtx and a runtime timer. To stay small it
-// holds no parent (values come from the monitor's base context) and its
-// start as an offset from the monitor's epoch (the deadline is the start
-// plus the one timeout); the done channel is made only if the handler asks
-// for it.
+// timeouts as it controls retries, and a call costs a fraction of one small
+// allocation (see contextSlab) instead of a cancelCtx, a timerCtx and a
+// runtime timer. To stay small (80 bytes: the garbage collector scans every
+// one) it holds no parent (values come from the monitor's base context), no
+// event (its caller holds that), and its start as an offset from the
+// monitor's epoch (the deadline is the start plus the one timeout); the done
+// channel is made only if the handler asks for it.
 type handlerContext struct {
 	monitor *Monitor
 	key     string
-	item    item          // the event being handled, with its trail
+	by      *caller       // the goroutine running the call; it holds the event
 	start   time.Duration // since monitor.epoch
 
 	// In-flight list links and flags, guarded by Monitor.mu.
 	link      listLinks[handlerContext]
-	pooled    bool // run by a worker, which may be replaced if it overruns
 	expired   bool // the deadline passed while the call ran
 	replaced  bool // a new worker took this call's worker's place
 	abandoned bool // Stop gave up waiting for this call
 
 	// Why the context ended, and its done channel: set together under mu,
 	// so that Err is non-nil exactly when Done is closed.
-	mu    sync.Mutex
 	ended ctxEnd
+	mu    sync.Mutex
 	done  chan struct{}
 }
 
@@ -63,7 +63,12 @@ func (c *handlerContext) deadline() time.Time {
 // started is when the call began.
 func (c *handlerContext) started() time.Time { return c.monitor.epoch.Add(c.start) }
 
-func (c *handlerContext) Deadline() (time.Time, bool) { return c.deadline(), true }
+func (c *handlerContext) Deadline() (time.Time, bool) {
+	if c.monitor.cfg.handleTimeout == 0 {
+		return time.Time{}, false
+	}
+	return c.deadline(), true
+}
 
 func (c *handlerContext) Done() <-chan struct{} {
 	c.mu.Lock()
@@ -107,6 +112,25 @@ func (c *handlerContext) end(why ctxEnd) {
 	if c.done != nil {
 		close(c.done)
 	}
+}
+
+// contextSlabSize is how many handler contexts a worker allocates at once.
+const contextSlabSize = 32
+
+// contextSlab hands out handler contexts from arrays of contextSlabSize, so
+// that a worker allocates once per contextSlabSize calls rather than once
+// per call. A context is never reused: a handler may keep its context past
+// the call, so an array is only ever left to the garbage collector, which
+// frees it once none of its contexts is reachable.
+type contextSlab struct{ free []handlerContext }
+
+func (s *contextSlab) next() *handlerContext {
+	if len(s.free) == 0 {
+		s.free = make([]handlerContext, contextSlabSize)
+	}
+	c := &s.free[0]
+	s.free = s.free[1:]
+	return c
 }
 
 // callList holds the calls in flight in start order. All calls share one

@@ -54,6 +54,7 @@ func (m *Monitor) nextReady() (k *keyState, waited bool) {
 func (m *Monitor) worker() {
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	w := &caller{pooled: true}
 	var now time.Duration
 	for first := true; ; first = false {
 		k, waited := m.nextReady()
@@ -62,18 +63,27 @@ func (m *Monitor) worker() {
 			return
 		}
 		if waited || first {
-			now = m.sinceEpoch()
+			now = m.callStart()
 		}
-		for turn := 1; ; turn++ {
-			var fate callFate
-			now, fate = m.handleNext(k, now, true)
-			switch fate {
-			case callAbandoned:
-				return // Stop gave up on this goroutine; it no longer counts
-			case callReplaced:
-				m.handBack(k)
-				m.leave()
-				return
+		for turn := 0; ; {
+			if m.mayRun(k) {
+				room := maxTurn - turn
+				if room <= 0 {
+					room = maxTurn // nobody else waits: a run more
+				}
+				turn += m.runEvents(k, room, w)
+			} else {
+				var fate callFate
+				now, fate = m.handleNext(k, now, w)
+				switch fate {
+				case callAbandoned:
+					return // Stop gave up on this goroutine; it no longer counts
+				case callReplaced:
+					m.handBack(k)
+					m.leave()
+					return
+				}
+				turn++
 			}
 			if !m.mayContinue(k, turn) {
 				break
@@ -94,8 +104,8 @@ func (m *Monitor) leave() {
 // the bound keeps turns fair.
 const maxTurn = 32
 
-// mayContinue reports whether the worker that just handled k's turn-th
-// event in a row may handle k's next one at once. mu is held.
+// mayContinue reports whether the worker that just handled turn of k's
+// events in a row may handle k's next one at once. mu is held.
 func (m *Monitor) mayContinue(k *keyState, turn int) bool {
 	if m.state == stateStopped || k.running != nil || k.ready || k.heapIndex >= 0 || k.queue.len() == 0 {
 		return false
@@ -123,15 +133,23 @@ const (
 	callAbandoned                 // Stop gave up waiting for the call: exit without touching the monitor
 )
 
+// caller is a goroutine that runs handler calls: a worker, or an exit
+// watcher handling its exit at once.
+type caller struct {
+	pooled   bool        // a worker: replaced if its call overruns
+	contexts contextSlab // where its calls' contexts come from
+	running  item        // the event of its call in progress; guarded by Monitor.mu
+	run      []item      // the events of its run in progress (see run.go)
+	runner   runner
+}
+
 // handleNext runs the head of k's queue on the calling goroutine, started at
 // now, and settles the outcome; the caller then runs k on or hands it back.
-// pooled says whether the caller is a worker (which is replaced if the call
-// overruns) rather than an exit watcher. mu is held on entry and on return;
-// it is released around the handler call and any logging or drop callbacks.
-// It returns the clock's reading when the handler returned, and what the
-// calling goroutine does next. Both readings count from the monitor's epoch
-// (see sinceEpoch).
-func (m *Monitor) handleNext(k *keyState, now time.Duration, pooled bool) (time.Duration, callFate) {
+// mu is held on entry and on return; it is released around the handler call
+// and any logging or drop callbacks. It returns the clock's reading when the
+// handler returned (see callStart), and what the calling goroutine does
+// next. Both readings count from the monitor's epoch (see sinceEpoch).
+func (m *Monitor) handleNext(k *keyState, now time.Duration, by *caller) (time.Duration, callFate) {
 	wasReplay := k.replayLeft > 0
 	var starting *retry
 	if k.replayStarting && wasReplay {
@@ -149,7 +167,8 @@ func (m *Monitor) handleNext(k *keyState, now time.Duration, pooled bool) (time.
 	}
 	m.recount(k)
 	m.signalProgress() // stream intake may be waiting for the room this frees
-	call := m.startCall(k.key, it, now, pooled)
+	call := m.startCall(k.key, now, by)
+	by.running = it
 	k.running = call
 	m.mu.Unlock()
 
@@ -159,7 +178,10 @@ func (m *Monitor) handleNext(k *keyState, now time.Duration, pooled bool) (time.
 
 	err := m.invoke(call, it.event)
 	call.end(endedCanceled) // as a deferred cancel would: what the handler started with ctx stops
-	end := m.sinceEpoch()
+	end := m.callStart()
+	if err != nil && !m.timesCalls {
+		end = m.sinceEpoch() // the failure's time, for its trail
+	}
 	if mt := m.cfg.metrics; mt != nil {
 		m.observe(mt, call.start, end, it, err) // before taking mu again
 	}
@@ -168,6 +190,7 @@ func (m *Monitor) handleNext(k *keyState, now time.Duration, pooled bool) (time.
 	if call.abandoned {
 		return end, callAbandoned // already unlinked and accounted for by abandon
 	}
+	by.running = item{}
 	m.calls.remove(call)
 	if call.expired {
 		m.overrunning--
@@ -195,7 +218,7 @@ func (m *Monitor) handleNext(k *keyState, now time.Duration, pooled bool) (time.
 // unreplaced. It reports whether there was one. mu is held.
 func (m *Monitor) takeOverSeat() bool {
 	for c := m.calls.head; c != nil && c.expired; c = c.link.next {
-		if c.pooled && !c.replaced && m.state != stateStopped {
+		if c.by.pooled && !c.replaced && m.state != stateStopped {
 			c.replaced = true
 			m.replaced++
 			return true
@@ -204,13 +227,26 @@ func (m *Monitor) takeOverSeat() bool {
 	return false
 }
 
-// startCall registers a call of it starting at now and returns its
-// context. mu is held.
-func (m *Monitor) startCall(key string, it item, now time.Duration, pooled bool) *handlerContext {
-	c := &handlerContext{monitor: m, key: key, item: it, start: now, pooled: pooled}
-	m.rearm(c.deadline()) // a no-op unless the scheduler would wake later
+// startCall registers a call by by starting at now and returns its context.
+// mu is held.
+func (m *Monitor) startCall(key string, now time.Duration, by *caller) *handlerContext {
+	c := by.contexts.next()
+	*c = handlerContext{monitor: m, key: key, by: by, start: now}
+	if m.cfg.handleTimeout > 0 {
+		m.rearm(c.deadline()) // a no-op unless the scheduler would wake later
+	}
 	m.calls.push(c)
 	return c
+}
+
+// callStart reads the clock for a handler call's start or end, if anything
+// needs the reading: a deadline or metrics. Without either, a call reads the
+// clock only if it fails.
+func (m *Monitor) callStart() time.Duration {
+	if !m.timesCalls {
+		return 0
+	}
+	return m.sinceEpoch()
 }
 
 // invoke calls the handler, turning a panic into ErrHandlerPanic.
@@ -345,6 +381,9 @@ type overrun struct {
 // is waiting, abandons them. It returns the calls that newly overran, for
 // logging outside mu. mu is held.
 func (m *Monitor) expireCalls(now time.Time) []overrun {
+	if m.cfg.handleTimeout == 0 {
+		return nil // no deadlines
+	}
 	var overruns []overrun
 	for c := m.calls.head; c != nil; {
 		next := c.link.next
@@ -356,7 +395,7 @@ func (m *Monitor) expireCalls(now time.Time) []overrun {
 			m.overrunning++
 			c.end(endedDeadline)
 			o := overrun{key: c.key, started: c.started()}
-			if c.pooled && m.state != stateStopped {
+			if c.by.pooled && m.state != stateStopped {
 				if m.replaced < m.cfg.maxOverruns {
 					c.replaced, o.replaced = true, true
 					m.replaced++
@@ -390,7 +429,7 @@ func (m *Monitor) abandon(c *handlerContext) {
 	m.busy--
 	m.abandonedCalls++
 	m.stats.Dropped++
-	m.abandonedDrops = append(m.abandonedDrops, c.item.drop(c.key,
+	m.abandonedDrops = append(m.abandonedDrops, c.by.running.drop(c.key,
 		fmt.Errorf("%w: handler still running at its deadline, abandoned", ErrStopped)))
 	m.signalProgress()
 }

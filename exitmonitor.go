@@ -120,7 +120,7 @@ func (m *Monitor) handleExit(key string, build func(uint32, time.Time) any, code
 	}
 	m.busy++
 	m.holding++
-	if _, fate := m.handleNext(k, m.sinceEpoch(), false); fate != callAbandoned {
+	if _, fate := m.handleNext(k, m.callStart(), &caller{}); fate != callAbandoned {
 		m.handBack(k)
 		m.leave()
 	}

@@ -34,6 +34,8 @@ type Monitor struct {
 	base    context.Context // parent of every handler context: carries the logger
 	epoch   time.Time       // the clock's reading at New; workers count from it
 
+	timesCalls bool // calls read the clock: for their deadline, or for metrics
+
 	mu              sync.Mutex
 	workAvailable   sync.Cond // workers wait here for a ready key
 	progress        sync.Cond // Stop, Shutdown and stream intake wait here
@@ -42,6 +44,8 @@ type Monitor struct {
 	busy            int // goroutines Stop waits for: workers, inline exit calls
 	holding         int // goroutines holding a key, from taking it to handing it back
 	overrunning     int // calls past their deadline, still running
+	reserved        int // events taken by runs, not yet settled (see run.go)
+	runners         linkedList[runner, *runner]
 	replaced        int // of those, calls whose worker a new one replaced
 	abandonedCalls  int // calls Stop gave up waiting for
 	state           runState
@@ -65,6 +69,7 @@ type Monitor struct {
 	ignoredURLs     map[string]bool // type URLs ignored so far, for logging once
 
 	intaking      atomic.Int32    // stream batches read but not yet accepted
+	stopping      atomic.Bool     // Stop has begun: runs take no further call
 	intake        context.Context // ends when Stop or Shutdown begins
 	cancelIntake  context.CancelFunc
 	wake          chan struct{}
@@ -100,6 +105,7 @@ func New(h Handler, opts ...Option) (*Monitor, error) {
 		handler:       h,
 		base:          log.WithLogger(context.Background(), cfg.logger),
 		epoch:         cfg.clock.Now(),
+		timesCalls:    cfg.handleTimeout > 0 || cfg.metrics != nil,
 		keys:          make(map[string]*keyState),
 		busy:          cfg.workers,
 		wakes:         1, // the scheduler's first pass
@@ -360,9 +366,9 @@ func (m *Monitor) Stats() Stats {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	s := m.stats
-	s.InFlight = m.calls.n
+	s.InFlight = m.calls.n + m.runners.n // a run has a call in progress, or is about to
 	s.Overrunning = m.overrunning
-	s.Queued = m.queued - m.eventsInBackoff
+	s.Queued = m.queued - m.eventsInBackoff + m.reserved - m.runners.n // a run's events count as queued until it settles
 	s.KeysInBackoff = m.keysInBackoff
 	s.EventsInBackoff = m.eventsInBackoff
 	return s
@@ -456,10 +462,16 @@ func (m *Monitor) Stop() {
 
 func (m *Monitor) stop() {
 	m.cancelIntake()
+	m.stopping.Store(true) // before looking for runs' calls: see runEvents
 	m.mu.Lock()
 	m.state = stateStopped
 	for c := m.calls.head; c != nil; c = c.link.next {
 		c.end(endedCanceled)
+	}
+	for r := m.runners.head; r != nil; r = r.link.next {
+		if c := r.current.Load(); c != nil {
+			c.end(endedCanceled)
+		}
 	}
 	m.workAvailable.Broadcast()
 	m.progress.Broadcast()
@@ -560,7 +572,7 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	for m.state == stateDraining && ctx.Err() == nil && m.drainable() {
 		m.waitProgress()
 	}
-	drained := m.queued == 0 && m.calls.n == 0
+	drained := m.queued == 0 && m.calls.n == 0 && m.runners.n == 0
 	m.mu.Unlock()
 	stopWaking()
 	m.Stop()
@@ -583,7 +595,7 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 // its deadline is running, or an event is queued that is not held behind a
 // call past its deadline. mu is held.
 func (m *Monitor) drainable() bool {
-	if m.calls.n > m.overrunning {
+	if m.calls.n+m.runners.n > m.overrunning {
 		return true
 	}
 	held := 0

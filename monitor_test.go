@@ -22,7 +22,7 @@ func TestNewRejectsInvalidOptions(t *testing.T) {
 		"jitter above 1":      WithJitter(1.5),
 		"negative jitter":     WithJitter(-0.1),
 		"zero workers":        WithWorkers(0),
-		"zero timeout":        WithHandleTimeout(0),
+		"negative timeout":    WithHandleTimeout(-1),
 		"negative attempts":   WithMaxAttempts(-1),
 		"negative queue":      WithMaxQueuedPerKey(-1),
 		"zero intake":         WithIntakeLimit(0),

@@ -87,7 +87,13 @@ func WithJitter(fraction float64) Option { return func(c *config) { c.jitter = f
 // serial as in containerd.
 func WithWorkers(n int) Option { return func(c *config) { c.workers = n } }
 
-// WithHandleTimeout sets the deadline on every handler call's context.
+// WithHandleTimeout sets the deadline on every handler call's context
+// (default DefaultHandleTimeout). 0 sets none: a call's context then ends
+// only when the call returns or the monitor stops, the monitor reads no
+// clock for a call that succeeds (unless WithMetrics wants durations), and
+// nothing overruns, so no worker is replaced and Stop and Shutdown wait for
+// every call to return, however long. Use it when handlers enforce their
+// own timeouts.
 //
 // A call that overruns it (a handler that ignores its ctx, say a hung shim
 // call) is logged, and keeps its key held until it really returns: nothing
@@ -165,8 +171,8 @@ func (c *config) validate() error {
 	if c.workers < 1 {
 		bad("workers %d: want at least 1", c.workers)
 	}
-	if c.handleTimeout <= 0 {
-		bad("handle timeout %v: want > 0", c.handleTimeout)
+	if c.handleTimeout < 0 {
+		bad("handle timeout %v: want > 0, or 0 for none", c.handleTimeout)
 	}
 	if c.maxOverruns < 0 {
 		bad("max overruns %d: want >= 0", c.maxOverruns)

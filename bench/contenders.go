@@ -28,8 +28,8 @@ type settings struct {
 	tick           time.Duration // the serial loop's scan period; containerd's is 1 s
 	// callTimeout, if set, is every call's deadline: the peers make one per
 	// call with context.WithTimeout, as containerd's CRI monitor does, and
-	// eventmonitor uses it as its handle timeout. Unset, the peers give no
-	// deadline and eventmonitor its default one (10 s): it always has one.
+	// eventmonitor uses it as its handle timeout. Unset, nobody gives a
+	// deadline: eventmonitor runs with WithHandleTimeout(0).
 	callTimeout time.Duration
 }
 
@@ -68,9 +68,7 @@ func newMonitor(h handleFunc, s settings) contender {
 		eventmonitor.WithWorkers(s.workers),
 		eventmonitor.WithBackoff(s.initialBackoff, s.maxBackoff),
 		eventmonitor.WithDropHandler(func(eventmonitor.Drop) {}),
-	}
-	if s.callTimeout > 0 {
-		opts = append(opts, eventmonitor.WithHandleTimeout(s.callTimeout))
+		eventmonitor.WithHandleTimeout(s.callTimeout),
 	}
 	m, err := eventmonitor.New(
 		eventmonitor.HandlerFunc(func(ctx context.Context, e any) error { return h(ctx, e.(*event)) }), opts...)

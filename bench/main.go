@@ -112,16 +112,16 @@ func fastRows(keys []string, n, runs int) []row {
 	return rows
 }
 
-// fastRowsOf measures the fast path with workers, the peers calling their
-// handler as the issue defines them or, if timed, each call with a deadline
-// from context.WithTimeout (containerd's CRI monitor gives 10 s), as every
-// eventmonitor call has one.
+// fastRowsOf measures the fast path with workers, like for like: no
+// contender giving its calls a deadline (eventmonitor with
+// WithHandleTimeout(0)), or, if timed, every call with one, the peers' from
+// context.WithTimeout (containerd's CRI monitor gives 10 s).
 func fastRowsOf(keys []string, n, runs, workers int, timed bool) []row {
-	var callTimeout time.Duration
-	scenario := fmt.Sprintf("1. fast path, %d worker(s)", workers)
+	callTimeout := time.Duration(0)
+	scenario := fmt.Sprintf("1. fast path, %d worker(s), no call with a deadline", workers)
 	if timed {
 		callTimeout = eventmonitor.DefaultHandleTimeout
-		scenario += ", every call with a deadline"
+		scenario = fmt.Sprintf("1. fast path, %d worker(s), every call with a deadline", workers)
 	}
 	var rates, allocs [3]float64
 	var fs []func() float64
