@@ -13,14 +13,14 @@ import (
 type dueHeap []*keyState
 
 func (h dueHeap) Len() int           { return len(h) }
-func (h dueHeap) Less(i, j int) bool { return h[i].due.Before(h[j].due) }
+func (h dueHeap) Less(i, j int) bool { return h[i].due < h[j].due }
 func (h dueHeap) Swap(i, j int) {
 	h[i], h[j] = h[j], h[i]
-	h[i].heapIndex, h[j].heapIndex = i, j
+	h[i].heapIndex, h[j].heapIndex = int32(i), int32(j)
 }
 func (h *dueHeap) Push(x any) {
 	k := x.(*keyState)
-	k.heapIndex = len(*h)
+	k.heapIndex = int32(len(*h))
 	*h = append(*h, k)
 }
 func (h *dueHeap) Pop() any {
@@ -34,7 +34,7 @@ func (h *dueHeap) Pop() any {
 
 // add puts k in the heap; remove takes it out from wherever it is.
 func (h *dueHeap) add(k *keyState)    { heap.Push(h, k) }
-func (h *dueHeap) remove(k *keyState) { heap.Remove(h, k.heapIndex) }
+func (h *dueHeap) remove(k *keyState) { heap.Remove(h, int(k.heapIndex)) }
 
 // nextDelay is the delay after a failed replay: doubled, capped.
 func nextDelay(d, max time.Duration) time.Duration {
@@ -58,16 +58,16 @@ func jittered(d time.Duration, fraction float64) time.Duration {
 
 // wait puts k in the due heap at now + its (jittered) delay. mu is held.
 func (m *Monitor) wait(k *keyState) {
-	k.due = m.cfg.clock.Now().Add(jittered(k.delay, m.cfg.jitter))
+	k.due = m.sinceEpoch() + jittered(k.delay, m.cfg.jitter)
 	m.due.add(k)
-	m.rearm(k.due)
+	m.rearm(m.epoch.Add(k.due))
 }
 
 // startReplay takes k out of the heap: the events it holds now are the
 // replay, handled in order until one fails. mu is held.
 func (m *Monitor) startReplay(k *keyState) {
 	m.due.remove(k)
-	k.replayLeft = k.queue.len()
+	k.replayLeft = int32(k.queue.len())
 	k.replayStarting, k.replayProgressed = true, false
 	m.stats.Retried++
 	m.recount(k)
@@ -87,7 +87,7 @@ type retry struct {
 // replays at most once per backoff delay, so a key that keeps failing
 // cannot flood the log.
 func (m *Monitor) logRetry(r retry) {
-	fields := log.Fields{"key": r.key, "attempt": r.trail.attempts + 1, "events": r.events, "delay": r.delay}
+	fields := log.Fields{"key": r.key, "attempt": int(r.trail.attempts) + 1, "events": r.events, "delay": r.delay}
 	if r.trail.topic != "" {
 		fields["topic"], fields["namespace"] = r.trail.topic, r.trail.namespace
 	}
@@ -138,13 +138,13 @@ func (m *Monitor) scheduler() {
 		m.mu.Lock()
 		seen := m.wakes
 		now := m.cfg.clock.Now()
-		for len(m.due) > 0 && !m.due[0].due.After(now) {
+		for len(m.due) > 0 && m.due[0].due <= now.Sub(m.epoch) {
 			m.startReplay(m.due[0])
 		}
 		overruns := m.expireCalls(now)
 		m.armed = false
 		if len(m.due) > 0 {
-			m.armed, m.wakeAt = true, m.due[0].due
+			m.armed, m.wakeAt = true, m.epoch.Add(m.due[0].due)
 		}
 		if c := m.calls.firstLive(); c != nil && m.cfg.handleTimeout > 0 && (!m.armed || c.deadline().Before(m.wakeAt)) {
 			m.armed, m.wakeAt = true, c.deadline()

@@ -3,6 +3,7 @@ package eventmonitor
 import (
 	"context"
 	"errors"
+	"io"
 	"math/rand/v2"
 	"runtime"
 	"strconv"
@@ -13,8 +14,8 @@ import (
 	"github.com/containerd/log"
 	"github.com/containerd/typeurl/v2"
 	"github.com/sirupsen/logrus"
-	logtest "github.com/sirupsen/logrus/hooks/test"
 	"google.golang.org/protobuf/types/known/wrapperspb"
+	testclock "k8s.io/utils/clock/testing"
 )
 
 type noopMetrics struct{}
@@ -235,8 +236,48 @@ func BenchmarkBurstDrain(b *testing.B) {
 	b.ReportMetric(keys*perKey, "events/op")
 }
 
-// quietLogger discards every line: a benchmark's failures are on purpose.
+// quietLogger discards every line, keeping none: a benchmark's failures
+// are on purpose.
 func quietLogger() *log.Entry {
-	logger, _ := logtest.NewNullLogger()
+	logger := logrus.New()
+	logger.Out = io.Discard
 	return logrus.NewEntry(logger)
+}
+
+// BenchmarkMemoryPerFailedKey puts 100,000 keys in backoff the way real
+// handlers do, each by a failed call returning an error of its own, and
+// reports the heap each waiting key costs: heap in use after GC, divided by
+// the keys. The key strings and the (shared, zero-size) event are made
+// beforehand and not counted; the errors, the key states, queues, map and
+// heap entries are.
+func BenchmarkMemoryPerFailedKey(b *testing.B) {
+	const n = 100_000
+	keys := make([]string, n)
+	for i := range keys {
+		keys[i] = "container-" + strconv.Itoa(i)
+	}
+	event := any(struct{}{})
+	var perKey float64
+	for range b.N {
+		m, err := New(HandlerFunc(func(context.Context, any) error { return errors.New("shim not answering") }),
+			WithClock(testclock.NewFakeClock(time.Now())), WithLogger(quietLogger()), WithWorkers(2))
+		if err != nil {
+			b.Fatal(err)
+		}
+		before := heapInUse()
+		for _, k := range keys {
+			if err := m.Submit(k, event); err != nil {
+				b.Fatal(err)
+			}
+		}
+		if err := m.WaitIdle(context.Background()); err != nil {
+			b.Fatal(err)
+		}
+		if s := m.Stats(); s.KeysInBackoff != n {
+			b.Fatalf("%d keys in backoff, want %d", s.KeysInBackoff, n)
+		}
+		perKey = float64(heapInUse()-before) / n
+		m.Stop()
+	}
+	b.ReportMetric(perKey, "bytes/key")
 }

@@ -154,7 +154,7 @@ func (m *Monitor) handleNext(k *keyState, now time.Duration, by *caller) (time.D
 	var starting *retry
 	if k.replayStarting && wasReplay {
 		k.replayStarting = false
-		starting = &retry{key: k.key, events: k.replayLeft, delay: k.delay}
+		starting = &retry{key: k.key, events: int(k.replayLeft), delay: k.delay}
 		if t := k.queue.peek().trail; t != nil {
 			starting.trail = *t
 		}
@@ -266,7 +266,7 @@ func (m *Monitor) invoke(ctx *handlerContext, event any) (err error) {
 func (m *Monitor) observe(mt Metrics, start, end time.Duration, it item, err error) {
 	mt.HandlerDone(end-start, err)
 	if err == nil && it.trail != nil && it.trail.attempts > 0 {
-		mt.Recovered(m.epoch.Add(end).Sub(it.trail.failedAt))
+		mt.Recovered(end - it.trail.failedAt)
 	}
 }
 
@@ -298,8 +298,8 @@ func (m *Monitor) complete(k *keyState, it item, err error, end time.Duration) o
 		k.replayProgressed = k.replayProgressed || wasReplay
 	} else {
 		m.stats.Failed++
-		it.failed(m.epoch.Add(end), err) // a time only failures need
-		out.topic, out.namespace, out.attempts = it.trail.topic, it.trail.namespace, it.trail.attempts
+		it.failed(end, err) // a time only failures need
+		out.topic, out.namespace, out.attempts = it.trail.topic, it.trail.namespace, int(it.trail.attempts)
 		if reason := m.giveUp(it, err); reason != nil {
 			d := it.drop(k.key, reason)
 			out.drop = &d

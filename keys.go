@@ -11,20 +11,21 @@ type item struct {
 	trail *trail
 }
 
-// trail is where an event came from and how it has fared.
+// trail is where an event came from and how it has fared. Every key in
+// backoff holds one: it is kept to 64 bytes.
 type trail struct {
-	topic, namespace string    // the envelope's, for logs; "" for Submit
-	shared           bool      // one stream's events of this origin share it; never changed
-	attempts         int       // failed handler calls so far
-	failedAt         time.Time // first failure, for Metrics.Recovered
-	lastErr          error     // the latest failure, for the retry's log line
+	topic, namespace string        // the envelope's, for logs; "" for Submit
+	lastErr          error         // the latest failure, for the retry's log line
+	failedAt         time.Duration // first failure, since the monitor's epoch, for Metrics.Recovered
+	attempts         int32         // failed handler calls so far
+	shared           bool          // one stream's events of this origin share it; never changed
 }
 
 func (it item) attempts() int {
 	if it.trail == nil {
 		return 0
 	}
-	return it.trail.attempts
+	return int(it.trail.attempts)
 }
 
 // drop is a Drop of this event alone, saying where it came from.
@@ -36,8 +37,9 @@ func (it item) drop(key string, reason error) Drop {
 	return d
 }
 
-// failed records one more failed call, returning err at now.
-func (it *item) failed(now time.Time, err error) {
+// failed records one more failed call, returning err at now (since the
+// monitor's epoch).
+func (it *item) failed(now time.Duration, err error) {
 	if it.trail == nil {
 		it.trail = &trail{}
 	} else if it.trail.shared {
@@ -50,7 +52,8 @@ func (it *item) failed(now time.Time, err error) {
 	it.trail.lastErr = err
 }
 
-// keyState is everything the monitor knows about one key. A key exists in
+// keyState is everything the monitor knows about one key; every key in
+// backoff holds one, so it is kept to 112 bytes. A key exists in
 // Monitor.keys while it holds events, runs, or is in backoff, and for a while
 // after it goes idle (see maxIdleKeys).
 //
@@ -60,20 +63,20 @@ func (it *item) failed(now time.Time, err error) {
 type keyState struct {
 	key       string
 	queue     fifo[item]
-	running   *handlerContext // the call handling the key's event, nil if none
-	heapIndex int
-	due       time.Time
+	running   *handlerContext     // the call handling the key's event, nil if none
+	due       time.Duration       // when the queue replays, since the monitor's epoch
 	delay     time.Duration       // current backoff delay; 0 outside backoff
 	idleLink  listLinks[keyState] // in Monitor.idleKeys while idle
+	heapIndex int32
 
 	// replayLeft counts the events at the head of the queue that belong to
 	// the replay in progress; replayInFlight is set while one of them is in
 	// a handler call. When both are done the key leaves backoff.
-	replayLeft int
+	replayLeft int32
 
 	// countedEvents is what this key adds to Monitor.eventsInBackoff, and
 	// countedInBackoff whether it adds to keysInBackoff; recount keeps them.
-	countedEvents int
+	countedEvents int32
 
 	// The flags sit together so that they share one word: every waiting key
 	// carries this struct.
@@ -128,7 +131,7 @@ func (m *Monitor) releaseIfIdle(k *keyState) {
 	if m.listedIdle(k) || !k.idle() {
 		return
 	}
-	k.due, k.delay, k.replayStarting = time.Time{}, 0, false
+	k.due, k.delay, k.replayStarting = 0, 0, false
 	if cap(k.queue.items) > maxIdleQueue {
 		k.queue = fifo[item]{} // a burst's array is not kept for ever
 	}
@@ -161,8 +164,8 @@ func (m *Monitor) recount(k *keyState) {
 	if in {
 		events = k.queue.len()
 	}
-	m.eventsInBackoff += events - k.countedEvents
-	k.countedEvents = events
+	m.eventsInBackoff += events - int(k.countedEvents)
+	k.countedEvents = int32(events)
 	if in != k.countedInBackoff {
 		k.countedInBackoff = in
 		if in {

@@ -260,7 +260,7 @@ func (m *Monitor) Pending() []Pending {
 		if !k.inBackoff() {
 			continue
 		}
-		p := Pending{Key: k.key, Due: k.due, Events: make([]any, 0, k.queue.len())}
+		p := Pending{Key: k.key, Due: m.epoch.Add(k.due), Events: make([]any, 0, k.queue.len())}
 		for _, it := range k.queue.all() {
 			p.Events = append(p.Events, it.event)
 		}
@@ -317,11 +317,11 @@ func (m *Monitor) WaitIdle(ctx context.Context) error {
 // for the next retry. mu is held.
 func (m *Monitor) idle() bool {
 	quiet := m.holding == 0 && m.calls.n == 0 && m.ready.len() == 0 && m.intaking.Load() == 0 &&
-		(len(m.due) == 0 || m.due[0].due.After(m.cfg.clock.Now()))
+		(len(m.due) == 0 || m.due[0].due > m.sinceEpoch())
 	if !quiet || m.armedFor != m.wakes {
 		return false
 	}
-	if len(m.due) == 0 && !m.armed || len(m.due) > 0 && m.armed && m.wakeAt.Equal(m.due[0].due) {
+	if len(m.due) == 0 && !m.armed || len(m.due) > 0 && m.armed && m.wakeAt.Equal(m.epoch.Add(m.due[0].due)) {
 		return true
 	}
 	m.wakeScheduler()
@@ -336,7 +336,7 @@ func (m *Monitor) NextRetry() (time.Time, bool) {
 	if len(m.due) == 0 {
 		return time.Time{}, false
 	}
-	return m.due[0].due, true
+	return m.epoch.Add(m.due[0].due), true
 }
 
 // Stats holds the monitor's counters and gauges.
