@@ -36,9 +36,17 @@ func main() {
 	holFor := flag.Duration("hol", 3*time.Second, "head-of-line: how long each run paces events")
 	idle := flag.Duration("idle", 5*time.Second, "backoff at scale: idle period measured")
 	sizes := flag.String("sizes", "1000,10000,100000", "backoff at scale: keys in backoff")
-	only := flag.String("only", "", "comma-separated scenarios to run: fast, hol, backoff, retry, envelope")
-	runs := flag.Int("runs", 3, "fast and envelope paths: runs of each, interleaved; the median is shown")
+	only := flag.String("only", "", "comma-separated scenarios to run: fast, hol, backoff, retry, envelope, e2e")
+	runs := flag.Int("runs", 3, "fast, envelope and end-to-end runs of each, interleaved; the median is shown")
+	e2eN := flag.Int("e2e-n", 20_000, "end to end: events per run")
 	flag.Parse()
+	if *e2eVariant != "" { // this process is the end-to-end scenario's subscriber
+		if err := e2eSubscriber(*e2eVariant, *e2eSocket, *e2eEvents); err != nil {
+			fmt.Fprintln(os.Stderr, "bench: subscriber:", err)
+			os.Exit(1)
+		}
+		return
+	}
 	log.L.Logger.SetLevel(log.ErrorLevel) // the failing handlers are on purpose
 
 	want := func(s string) bool { return *only == "" || strings.Contains(","+*only+",", ","+s+",") }
@@ -68,6 +76,9 @@ func main() {
 	}
 	w.Flush()
 	fmt.Println("\nadvantage: how many times better eventmonitor's figure is (higher throughput, or lower time)")
+	if want("e2e") {
+		e2eTable(*e2eN, *runs)
+	}
 }
 
 // advantage formats ours against workqueue's and the serial loop's.

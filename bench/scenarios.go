@@ -157,16 +157,18 @@ func heapInUse() int64 {
 
 // idleCPU returns the CPU time (user and system) the process uses in d.
 func idleCPU(d time.Duration) time.Duration {
-	used := func() time.Duration {
-		var ru syscall.Rusage
-		if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
-			panic(err)
-		}
-		return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
-	}
-	before := used()
+	before := processCPU()
 	time.Sleep(d) // the idle period measured
-	return used() - before
+	return processCPU() - before
+}
+
+// processCPU is the user and system time this process has used.
+func processCPU() time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		panic(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 // retryPrecision makes each of keys fail once and measures how late its

@@ -96,11 +96,11 @@ type client struct {
 	conn *grpc.ClientConn
 }
 
-func dial(t *testing.T, d *daemon) *client {
+func dial(t *testing.T, d *testDaemon) *client {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	conn, err := containerd.Dial(ctx, d.socket)
+	conn, err := containerd.Dial(ctx, d.Socket)
 	require.NoError(t, err)
 	t.Cleanup(func() { conn.Close() })
 	return &client{t: t, conn: conn}
@@ -399,9 +399,9 @@ func TestDaemonRestart(t *testing.T) {
 	require.NoError(t, c.publish(containerd.K8sNamespace, "/tasks/start", &events.TaskStart{ContainerID: "before"}))
 	waitFor(t, "the event before the restart", func() bool { return len(h.of("before")) == 1 })
 
-	d.stop()
+	d.Stop()
 	waitFor(t, "a re-subscription attempt", func() bool { return m.Stats().Resubscribed > 0 })
-	d.start()
+	d.restart()
 	c.handshake("default", h) // the new subscription is live
 	mu.Lock()
 	assert.Positive(t, resyncs, "resync hook called after re-subscribing")
@@ -422,7 +422,7 @@ func TestResubscribesPromptlyAfterALongOutage(t *testing.T) {
 	d := startDaemon(t, false)
 	overDial, overPlain := &seen{}, &seen{}
 	run(t, dial(t, d), overDial, nil, eventmonitor.WithResubscribe(50*time.Millisecond, time.Second))
-	plain, err := grpc.NewClient("unix://"+d.socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	plain, err := grpc.NewClient("unix://"+d.Socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	require.NoError(t, err)
 	t.Cleanup(func() { plain.Close() })
 	run(t, &client{t: t, conn: plain}, overPlain, nil, eventmonitor.WithResubscribe(50*time.Millisecond, time.Second))
@@ -433,9 +433,9 @@ func TestResubscribesPromptlyAfterALongOutage(t *testing.T) {
 	// gRPC's default reconnect backoff would next try about 26 s after the
 	// kill, 6 s after the daemon is back.
 	const outage = 20 * time.Second
-	d.kill()
+	d.Kill()
 	time.Sleep(outage) // the outage itself
-	d.start()
+	d.restart()
 	ready := time.Now()
 	c = dial(t, d) // a connection of its own, so that publishing wakes neither monitor's
 	c.handshake("default", overDial)
@@ -471,7 +471,7 @@ func TestRealContainerExit(t *testing.T) {
 		skipUnless(t, err == nil, tool+" is not installed; running a container needs it")
 	}
 	d := startDaemon(t, true)
-	rootfs := filepath.Join(d.dir, "rootfs")
+	rootfs := filepath.Join(d.Dir, "rootfs")
 	buildExitProgram(t, rootfs)
 	c := dial(t, d)
 	h := &seen{}
@@ -480,9 +480,9 @@ func TestRealContainerExit(t *testing.T) {
 
 	ns := fmt.Sprintf("emtest-%d", os.Getpid())
 	t.Cleanup(func() { removeCgroups(t, ns) })
-	out, err := d.ctr("-n", ns, "run", "--rm", "--rootfs", rootfs, "exit42", "/exit", "42")
+	out, err := d.Ctr("-n", ns, "run", "--rm", "--rootfs", rootfs, "exit42", "/exit", "42")
 	var exitErr *exec.ExitError
-	require.True(t, errors.As(err, &exitErr), "ctr run: %v: %s\ndaemon log:\n%s", err, out, d.log)
+	require.True(t, errors.As(err, &exitErr), "ctr run: %v: %s\ndaemon log:\n%s", err, out, d.Log())
 	require.Equal(t, 42, exitErr.ExitCode(), "ctr reports the container's exit code")
 	ended := func() (exit, deleted bool) {
 		got := types(h.of("exit42"))
