@@ -1,7 +1,7 @@
 // Command hybrid shows the hybrid mode of kubelet's Evented PLEG, built from
 // eventmonitor's parts: a Monitor handles the runtime's event stream, a
 // relister runs at a long period as a safety net, and the monitor's resync
-// hook relists at once after every re-subscription. The simulated runtime
+// hook relists at once when a stream comes back after an outage. The simulated runtime
 // loses a fraction of its events and breaks its stream now and then; at the
 // end the handler's view of every container must match the runtime's.
 package main
