@@ -38,7 +38,10 @@ func envInt(t *testing.T, name string, def uint64) uint64 {
 // It runs with handle timeouts, call by call, and without (WithHandleTimeout
 // of 0), where workers take a key's events in runs.
 func TestAccountingUnderChaos(t *testing.T) {
-	t.Run("deadlines", func(t *testing.T) { testAccountingUnderChaos(t) })
+	// The fake clock races ahead (5 ms a step, as fast as it can): a
+	// deadline far out keeps calls that are merely slow under the race
+	// detector from counting as stuck.
+	t.Run("deadlines", func(t *testing.T) { testAccountingUnderChaos(t, WithHandleTimeout(1000*time.Hour)) })
 	t.Run("no-deadline", func(t *testing.T) { testAccountingUnderChaos(t, WithHandleTimeout(0)) })
 }
 
@@ -104,6 +107,11 @@ func testAccountingUnderChaos(t *testing.T, opts ...Option) {
 	var unaccounted atomic.Value
 	stepping := make(chan struct{})
 	stepperDone := make(chan struct{})
+	var stopStepping sync.Once
+	t.Cleanup(func() { // before the harness's leak check, should the test fail early
+		stopStepping.Do(func() { close(stepping) })
+		<-stepperDone
+	})
 	go func() {
 		defer close(stepperDone)
 		for {
@@ -166,7 +174,7 @@ func testAccountingUnderChaos(t *testing.T, opts ...Option) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	require.NoError(t, h.m.Shutdown(ctx))
-	close(stepping)
+	stopStepping.Do(func() { close(stepping) })
 	<-stepperDone
 
 	dropped := map[string]error{}

@@ -16,7 +16,7 @@ import (
 
 // TestRelistRecoversALostStreamEvent: a container's exit event is lost, the
 // stream breaks, and the relist that the monitor's resync hook triggers
-// after re-subscribing finds the exit.
+// once the stream is back finds the exit.
 func TestRelistRecoversALostStreamEvent(t *testing.T) {
 	clk := testclock.NewFakeClock(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
 	var mu sync.Mutex
@@ -72,7 +72,14 @@ func TestRelistRecoversALostStreamEvent(t *testing.T) {
 		}
 	}, 10*time.Second, time.Millisecond, "Run re-subscribes once its delay has passed")
 
-	require.Eventually(t, func() bool { mu.Lock(); defer mu.Unlock(); return len(handled) == 2 }, 10*time.Second, time.Millisecond)
+	// The resync runs once the new subscription is established: unrefused
+	// for the initial resubscribe delay, on the same clock.
+	require.Eventually(t, func() bool {
+		clk.Step(eventmonitor.DefaultResubscribeInitial)
+		mu.Lock()
+		defer mu.Unlock()
+		return len(handled) == 2
+	}, 10*time.Second, time.Millisecond, "the resync's relist finds the exit")
 	require.Equal(t, []any{
 		relist.Event{PodID: "p1", Type: relist.ContainerStarted, ContainerID: "c1"},
 		relist.Event{PodID: "p1", Type: relist.ContainerDied, ContainerID: "c1"},
