@@ -25,13 +25,13 @@
 // which forwards them to the daemon in order; the daemon publishes
 // TaskDelete itself, when a client deletes the task. A client that deletes
 // as soon as its Wait returns (ctr run --rm, the CRI plugin) races the
-// shim's queue, and, measured here under load with containerd 2.4.2 (80
-// runs of one container): TaskDelete arrived before TaskExit 3 times;
-// TaskExit never arrived 3 times (the shim was gone before its queue
+// shim's queue, and, measured here under load with containerd 2.4.2 (about
+// 120 runs of one container): TaskDelete arrived before TaskExit 3 times;
+// TaskExit never arrived 6 times (the shim was gone before its queue
 // forwarded it); TaskDelete never arrived 6 times (the delete raced the
 // shim's exit and ended in the daemon's dead-shim cleanup, which publishes
 // nothing for a task already removed). containerd 1.6 delivered both, in
-// order, in 20 runs, but its code has the same race. A dead shim also makes
+// order, in 40 runs, but its code has the same race. A dead shim also makes
 // the daemon publish a TaskExit (status 255) and a TaskDelete of its own,
 // which may repeat ones already sent.
 //
