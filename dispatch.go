@@ -134,7 +134,7 @@ const (
 )
 
 // caller is a goroutine that runs handler calls: a worker, or an exit
-// watcher handling its exit at once.
+// watcher handling its exit at once (see exitCaller).
 type caller struct {
 	pooled   bool        // a worker: replaced if its call overruns
 	contexts contextSlab // where its calls' contexts come from
@@ -178,10 +178,7 @@ func (m *Monitor) handleNext(k *keyState, now time.Duration, by *caller) (time.D
 
 	err := m.invoke(call, it.event)
 	call.end(endedCanceled) // as a deferred cancel would: what the handler started with ctx stops
-	end := m.callStart()
-	if err != nil && !m.timesCalls {
-		end = m.sinceEpoch() // the failure's time, for its trail
-	}
+	end := m.callEnd(err)
 	if mt := m.cfg.metrics; mt != nil {
 		m.observe(mt, call.start, end, it, err) // before taking mu again
 	}
@@ -239,11 +236,19 @@ func (m *Monitor) startCall(key string, now time.Duration, by *caller) *handlerC
 	return c
 }
 
-// callStart reads the clock for a handler call's start or end, if anything
-// needs the reading: a deadline or metrics. Without either, a call reads the
-// clock only if it fails.
+// callStart reads the clock for a handler call's start, if anything needs
+// the reading: a deadline or metrics.
 func (m *Monitor) callStart() time.Duration {
 	if !m.timesCalls {
+		return 0
+	}
+	return m.sinceEpoch()
+}
+
+// callEnd reads the clock when a call returned with err, if anything needs
+// the reading: a deadline or metrics, or a failure's trail.
+func (m *Monitor) callEnd(err error) time.Duration {
+	if !m.timesCalls && err == nil {
 		return 0
 	}
 	return m.sinceEpoch()

@@ -120,8 +120,14 @@ func (m *Monitor) handleExit(key string, build func(uint32, time.Time) any, code
 	}
 	m.busy++
 	m.holding++
-	if _, fate := m.handleNext(k, m.callStart(), &caller{}); fate != callAbandoned {
+	if _, fate := m.handleNext(k, m.callStart(), exitCaller()); fate != callAbandoned {
 		m.handBack(k)
 		m.leave()
 	}
+}
+
+// exitCaller is the caller of an exit handled on its watcher's goroutine:
+// one call, so one context rather than a worker's slab of them.
+func exitCaller() *caller {
+	return &caller{contexts: contextSlab{free: make([]handlerContext, 1)}}
 }

@@ -28,12 +28,19 @@ func (it item) attempts() int {
 	return int(it.trail.attempts)
 }
 
+// origin is the topic and namespace of the envelope the event came in; ""
+// for events from Submit, Backoff and WatchExit.
+func (it item) origin() (topic, namespace string) {
+	if it.trail == nil {
+		return "", ""
+	}
+	return it.trail.topic, it.trail.namespace
+}
+
 // drop is a Drop of this event alone, saying where it came from.
 func (it item) drop(key string, reason error) Drop {
 	d := Drop{Key: key, Events: []any{it.event}, Reason: reason}
-	if it.trail != nil {
-		d.Topic, d.Namespace = it.trail.topic, it.trail.namespace
-	}
+	d.Topic, d.Namespace = it.origin()
 	return d
 }
 

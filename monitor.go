@@ -515,22 +515,18 @@ func (m *Monitor) stop() {
 func (m *Monitor) dropByOrigin(key string, items []item, reason error) []Drop {
 	var drops []Drop
 	for len(items) > 0 {
-		first := items[0].drop(key, reason)
-		n := 1
-		for n < len(items) {
-			if d := items[n].drop(key, reason); d.Topic != first.Topic || d.Namespace != first.Namespace {
+		topic, namespace := items[0].origin()
+		events := []any{items[0].event}
+		for _, it := range items[1:] {
+			if t, ns := it.origin(); t != topic || ns != namespace {
 				break
 			}
-			n++
-		}
-		events := make([]any, n)
-		for i := range n {
-			events[i] = items[i].event
+			events = append(events, it.event)
 		}
 		d := m.dropLocked(key, events, reason)
-		d.Topic, d.Namespace = first.Topic, first.Namespace
+		d.Topic, d.Namespace = topic, namespace
 		drops = append(drops, d)
-		items = items[n:]
+		items = items[len(events):]
 	}
 	return drops
 }

@@ -18,10 +18,7 @@ package eventmonitor
 // return the events a run has taken, and Stop cancels the call in progress
 // and hands the run's remaining events over with the rest.
 
-import (
-	"sync/atomic"
-	"time"
-)
+import "sync/atomic"
 
 // runner is the part of a worker that Stop reaches while it runs: the
 // context of the call in progress, read without the monitor's lock.
@@ -81,10 +78,7 @@ func (m *Monitor) runEvents(k *keyState, limit int, by *caller) int {
 		handled++
 	}
 	by.runner.current.Store(nil)
-	var failedAt time.Duration
-	if err != nil {
-		failedAt = m.sinceEpoch() // the failure's time, for its trail
-	}
+	failedAt := m.callEnd(err) // the failure's time, for its trail
 
 	m.mu.Lock()
 	m.runners.remove(&by.runner)

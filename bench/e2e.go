@@ -10,12 +10,12 @@ package main
 // publish-to-handler latency.
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"slices"
@@ -209,25 +209,12 @@ func e2eRun(socket, variant string, n, rate int) (e2eResult, error) {
 	lines := make(chan string, 2)
 	go func() {
 		defer close(lines)
-		buf := make([]byte, 0, 4096)
-		chunk := make([]byte, 4096)
-		for {
-			k, err := out.Read(chunk)
-			buf = append(buf, chunk[:k]...)
-			for {
-				i := slices.Index(buf, '\n')
-				if i < 0 {
-					break
-				}
-				lines <- string(buf[:i])
-				buf = buf[i+1:]
-			}
-			if err != nil {
-				if err != io.EOF {
-					ready <- err
-				}
-				return
-			}
+		scanner := bufio.NewScanner(out)
+		for scanner.Scan() {
+			lines <- scanner.Text()
+		}
+		if err := scanner.Err(); err != nil {
+			ready <- err
 		}
 	}()
 	for probing := true; probing; {
