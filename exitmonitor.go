@@ -2,6 +2,7 @@ package eventmonitor
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 )
@@ -35,6 +36,20 @@ const UnknownExitCode = 255
 // rather than in its goroutine or never.
 func WatchExit[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh <-chan S,
 	event func(code uint32, exitedAt time.Time) any) <-chan struct{} {
+	if event == nil {
+		panic("eventmonitor: WatchExit with a nil event builder")
+	}
+	return WatchExitResult(ctx, m, key, exitCh, func(code uint32, exitedAt time.Time, _ error) any {
+		return event(code, exitedAt)
+	})
+}
+
+// WatchExitResult is WatchExit with a builder that also sees why the status
+// could not be read: err is nil for a real status, and otherwise Result's
+// error (or one saying exitCh closed without a value), with code
+// UnknownExitCode and exitedAt the monitor clock's now.
+func WatchExitResult[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh <-chan S,
+	event func(code uint32, exitedAt time.Time, err error) any) <-chan struct{} {
 	switch {
 	case m == nil:
 		panic("eventmonitor: WatchExit with a nil Monitor")
@@ -57,25 +72,28 @@ func WatchExit[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh
 		defer close(done)
 		var code uint32
 		var at time.Time
+		var err error
 		select {
 		case <-ctx.Done():
 			return
 		case <-m.intake.Done():
 			return
 		case s, ok := <-exitCh:
-			code, at = m.exitResult(key, s, ok)
+			code, at, err = m.exitResult(key, s, ok)
 		}
-		m.handleExit(key, event, code, at)
+		m.handleExit(key, func(code uint32, at time.Time) any { return event(code, at, err) }, code, at)
 	}()
 	return done
 }
 
-func (m *Monitor) exitResult(key string, s ExitStatus, received bool) (code uint32, at time.Time) {
+// ErrNoExitStatus: an exit channel closed without a value.
+var ErrNoExitStatus = errors.New("eventmonitor: exit channel closed without a status")
+
+func (m *Monitor) exitResult(key string, s ExitStatus, received bool) (code uint32, at time.Time, err error) {
 	if !received {
 		m.cfg.logger.WithField("key", key).Warn("exit channel closed without a status; exit code unknown")
-		return UnknownExitCode, m.cfg.clock.Now()
+		return UnknownExitCode, m.cfg.clock.Now(), ErrNoExitStatus
 	}
-	var err error
 	func() {
 		defer func() {
 			if r := recover(); r != nil { // a nil status, for one
@@ -86,9 +104,9 @@ func (m *Monitor) exitResult(key string, s ExitStatus, received bool) (code uint
 	}()
 	if err != nil {
 		m.cfg.logger.WithField("key", key).WithError(err).Warn("cannot read exit status; exit code unknown")
-		return UnknownExitCode, m.cfg.clock.Now()
+		return UnknownExitCode, m.cfg.clock.Now(), err
 	}
-	return code, at
+	return code, at, nil
 }
 
 func (m *Monitor) handleExit(key string, build func(uint32, time.Time) any, code uint32, at time.Time) {
