@@ -15,7 +15,7 @@ require go.yaml.in/yaml/v3 v3.0.5 // indirect
 
 require (
 	github.com/containerd/containerd/api v1.10.0
-	github.com/containerd/log v0.2.0 // indirect
+	github.com/containerd/log v0.2.0
 	github.com/containerd/ttrpc v1.2.8 // indirect
 	github.com/opencontainers/go-digest v1.0.0 // indirect
 	github.com/opencontainers/image-spec v1.1.1 // indirect
