@@ -465,11 +465,7 @@ func TestResubscribesPromptlyAfterALongOutage(t *testing.T) {
 // TaskCreate and TaskStart, and TaskExit, if it arrives, carries the status.
 func TestRealContainerExit(t *testing.T) {
 	t.Parallel()
-	skipUnless(t, os.Geteuid() == 0, "running containers needs root (a private mount namespace and runc)")
-	for _, tool := range []string{"unshare", "nsenter", "runc", "go"} {
-		_, err := exec.LookPath(tool)
-		skipUnless(t, err == nil, tool+" is not installed; running a container needs it")
-	}
+	requireContainers(t)
 	d := startDaemon(t, true)
 	rootfs := filepath.Join(d.Dir, "rootfs")
 	buildExitProgram(t, rootfs)
@@ -518,7 +514,20 @@ func TestRealContainerExit(t *testing.T) {
 	assert.LessOrEqual(t, len(got), 4, "no task event twice")
 }
 
-// buildExitProgram builds a static program that exits with its argument.
+// requireContainers skips t (or fails it, see skipUnless) unless this
+// machine can run real containers.
+func requireContainers(t *testing.T) {
+	t.Helper()
+	skipUnless(t, os.Geteuid() == 0, "running containers needs root (a private mount namespace and runc)")
+	for _, tool := range []string{"unshare", "nsenter", "runc", "go"} {
+		_, err := exec.LookPath(tool)
+		skipUnless(t, err == nil, tool+" is not installed; running a container needs it")
+	}
+}
+
+// buildExitProgram builds a static program, /exit in rootfs, that exits
+// with its first argument: at once, or, given a second argument, once a
+// file of that name exists (in the container: rootfs is its root).
 func buildExitProgram(t *testing.T, rootfs string) {
 	t.Helper()
 	src := filepath.Join(t.TempDir(), "exit.go")
@@ -527,10 +536,17 @@ func buildExitProgram(t *testing.T, rootfs string) {
 import (
 	"os"
 	"strconv"
+	"time"
 )
 
 func main() {
 	code, _ := strconv.Atoi(os.Args[1])
+	for len(os.Args) > 2 {
+		if _, err := os.Stat(os.Args[2]); err == nil {
+			break
+		}
+		time.Sleep(10 * time.Millisecond) // polling for the release file
+	}
 	os.Exit(code)
 }
 `), 0o600))
