@@ -583,3 +583,12 @@ func dirExists(path string) bool {
 	info, err := os.Stat(path)
 	return err == nil && info.IsDir()
 }
+
+func TestSandboxExitBuilder(t *testing.T) {
+	at := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	e := containerd.SandboxExit("s1")(137, at).(*events.SandboxExit)
+	assert.Equal(t, "s1", e.SandboxID)
+	assert.Equal(t, uint32(137), e.ExitStatus)
+	assert.Equal(t, at, e.ExitedAt.AsTime())
+	assert.Equal(t, "s1", keyOf(e), "keyed by Converter as the sandbox")
+}
