@@ -135,15 +135,45 @@ func (d *socketDialer) failure() error {
 // when ctx ends they close without an error. Nothing outlives ctx.
 //
 // If conn is a *grpc.ClientConn, every subscription first wakes the
-// connection's reconnection, so that after a daemon restart the stream
-// comes back when Run re-subscribes, not when gRPC's reconnect backoff
-// (which may be minutes on a connection not made by Dial) next tries.
+// connection's reconnection (see wakeConnection), so that after a daemon
+// restart the stream comes back when Run re-subscribes, not when gRPC's
+// reconnect backoff (which may be minutes on a connection not made by
+// Dial) next tries.
 func NewSubscriber(conn grpc.ClientConnInterface) eventmonitor.Subscriber {
 	s := &subscriber{client: eventsapi.NewEventsClient(conn)}
-	if r, ok := conn.(interface{ ResetConnectBackoff() }); ok {
-		s.reconnectNow = r.ResetConnectBackoff
-	}
+	s.conn, _ = conn.(wakeable)
 	return s
+}
+
+// wakeable is what wakeConnection needs of a connection; *grpc.ClientConn
+// has it.
+type wakeable interface {
+	ResetConnectBackoff()
+	GetState() connectivity.State
+	WaitForStateChange(ctx context.Context, state connectivity.State) bool
+}
+
+// connectWait bounds how long wakeConnection waits for a connection to
+// come up: a local socket connects in milliseconds when the daemon is up.
+const connectWait = 200 * time.Millisecond
+
+// wakeConnection makes conn try to connect now, and waits (at most
+// connectWait) while it is trying. Resetting the backoff only starts an
+// attempt: until it succeeds, gRPC fails a call at once with the error of
+// the attempt before, so that a call made right after the reset would fail
+// although the daemon is back, and wait a whole retry delay for nothing.
+func wakeConnection(ctx context.Context, conn wakeable) {
+	if conn == nil {
+		return
+	}
+	conn.ResetConnectBackoff()
+	ctx, cancel := context.WithTimeout(ctx, connectWait)
+	defer cancel()
+	for state := conn.GetState(); state == connectivity.TransientFailure || state == connectivity.Connecting; state = conn.GetState() {
+		if !conn.WaitForStateChange(ctx, state) {
+			return
+		}
+	}
 }
 
 // streamBuffer is how many envelopes a subscription holds between the gRPC
@@ -151,8 +181,8 @@ func NewSubscriber(conn grpc.ClientConnInterface) eventmonitor.Subscriber {
 const streamBuffer = 128
 
 type subscriber struct {
-	client       eventsapi.EventsClient
-	reconnectNow func() // nil unless the connection can be woken
+	client eventsapi.EventsClient
+	conn   wakeable // nil unless the connection can be woken
 }
 
 func (s *subscriber) Subscribe(ctx context.Context, filters ...string) (<-chan *eventmonitor.Envelope, <-chan error) {
@@ -172,9 +202,7 @@ func (s *subscriber) Subscribe(ctx context.Context, filters ...string) (<-chan *
 
 // stream reads one subscription into ch until it fails or ctx ends.
 func (s *subscriber) stream(ctx context.Context, filters []string, ch chan<- *eventmonitor.Envelope) error {
-	if s.reconnectNow != nil {
-		s.reconnectNow()
-	}
+	wakeConnection(ctx, s.conn)
 	stream, err := s.client.Subscribe(ctx, &eventsapi.SubscribeRequest{Filters: filters})
 	if err != nil {
 		return fmt.Errorf("containerd: subscribe: %w", err)

@@ -100,8 +100,8 @@ func (s ExitStatus) Error() error { return s.err }
 //
 // conn is a connection to containerd's gRPC socket, such as Dial's (which
 // reconnects at most a second apart after a restart). If it is a
-// *grpc.ClientConn, each wait again first wakes its reconnection, as
-// NewSubscriber does. A nil conn is a programming error: WaitExit panics.
+// *grpc.ClientConn, each wait again first wakes its reconnection and gives
+// it a moment to connect, as NewSubscriber does. A nil conn is a programming error: WaitExit panics.
 func WaitExit(ctx context.Context, conn grpc.ClientConnInterface, namespace, containerID, execID string) <-chan ExitStatus {
 	if conn == nil {
 		panic("containerd: WaitExit with a nil connection")
@@ -111,9 +111,7 @@ func WaitExit(ctx context.Context, conn grpc.ClientConnInterface, namespace, con
 		req:    &tasksapi.WaitRequest{ContainerID: containerID, ExecID: execID},
 		ns:     namespace,
 	}
-	if r, ok := conn.(interface{ ResetConnectBackoff() }); ok {
-		w.reconnectNow = r.ResetConnectBackoff
-	}
+	w.conn, _ = conn.(wakeable)
 	ch := make(chan ExitStatus, 1)
 	go func() {
 		defer close(ch)
@@ -125,10 +123,10 @@ func WaitExit(ctx context.Context, conn grpc.ClientConnInterface, namespace, con
 }
 
 type waiter struct {
-	client       tasksapi.TasksClient
-	req          *tasksapi.WaitRequest
-	ns           string
-	reconnectNow func() // nil unless the connection can be woken
+	client tasksapi.TasksClient
+	req    *tasksapi.WaitRequest
+	ns     string
+	conn   wakeable // nil unless the connection can be woken
 }
 
 // wait calls Wait until it yields a status to deliver; false when ctx ended.
@@ -178,9 +176,7 @@ func (w *waiter) wait(ctx context.Context) (ExitStatus, bool) {
 		case <-t.C:
 		}
 		delay = min(2*delay, waitRetryMax)
-		if w.reconnectNow != nil {
-			w.reconnectNow()
-		}
+		wakeConnection(ctx, w.conn)
 	}
 }
 
