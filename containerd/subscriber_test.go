@@ -19,7 +19,9 @@ import (
 
 // oneEvent is containerd's events service delivering one envelope to each
 // subscriber.
-type oneEvent struct{ eventsapi.UnimplementedEventsServer }
+type oneEvent struct {
+	eventsapi.UnimplementedEventsServer
+}
 
 func (oneEvent) Subscribe(_ *eventsapi.SubscribeRequest, stream eventsapi.Events_SubscribeServer) error {
 	if err := stream.Send(&eventsapi.Envelope{Topic: "/x"}); err != nil {
