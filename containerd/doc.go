@@ -1,8 +1,12 @@
 // Package containerd connects an eventmonitor.Monitor to containerd: a
-// Subscriber over containerd's events gRPC service, a Converter that keys
-// every event type of github.com/containerd/containerd/api/events, Filters
-// that ask the daemon for only the types a converter keys, and the builder
-// WatchExit needs to turn a task's exit status into a TaskExit.
+// Subscriber over containerd's events gRPC service (NewSubscriber), or over
+// the Subscribe method of containerd's client, the in-process one of a
+// plugin inside containerd included (FromSubscribe); a Converter that keys
+// every event type of github.com/containerd/containerd/api/events; Filters
+// that ask the daemon for only the types a converter keys; WaitExit, a
+// task's exit read through containerd's Tasks service, which a daemon
+// restart does not turn into an exit; and the builders WatchExit needs to
+// turn an exit status into a TaskExit or a SandboxExit.
 //
 //	conn, err := containerd.Dial(ctx, "/run/containerd/containerd.sock")
 //	...
@@ -38,7 +42,8 @@
 // So a handler must treat TaskExit and TaskDelete each as possibly the
 // first, the last or the only word on a task's end, and tolerate repeats.
 // For the exit status itself, do what the CRI plugin does: wait on the
-// task (task.Wait) and hand its channel to eventmonitor.WatchExit with
-// TaskExit's builder, and relist (the relist package) to catch what the
-// stream never says.
+// task and hand the channel to eventmonitor.WatchExit with TaskExit's
+// builder, and relist (the relist package) to catch what the stream never
+// says. Outside containerd, wait with WaitExit rather than the client's
+// task.Wait, whose channel reports a lost connection as an exit.
 package containerd
