@@ -53,7 +53,7 @@ func TestWaitExitGoneInDaemon(t *testing.T) {
 //     monitor: the handler sees exactly one TaskExit, with 42;
 //   - "during" exits during the outage, with 43. containerd 1.6 reloads its
 //     shim, which keeps the status, and the wait delivers 43 after the
-//     restart. containerd 2.x (since 1.7) removes, as it starts, every
+//     restart. containerd 2.4.2 removes, as it starts, every
 //     shim whose task has no process left (shouldCleanupShim, in
 //     core/runtime/v2/shim_load.go), so the task is gone and so is its
 //     status: the wait delivers ErrTaskGone;
