@@ -93,7 +93,9 @@ func (m *Monitor) logRetry(r retry) {
 	}
 	entry := m.cfg.logger.WithFields(fields)
 	if r.trail.lastErr != nil {
-		entry = entry.WithError(r.trail.lastErr)
+		// Not "error": the line announces a retry, and the failure is the
+		// one that put the key in backoff, not this retry's.
+		entry = entry.WithField("previous_error", r.trail.lastErr.Error())
 	}
 	entry.Info("retrying backed-off events")
 }

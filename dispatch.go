@@ -369,7 +369,7 @@ func (m *Monitor) report(out outcome) {
 		entry.WithError(out.err).Warn("giving up on event")
 		m.emit(*out.drop)
 	case out.err != nil:
-		entry.WithError(out.err).WithField("delay", out.delay).Warn("event handling failed; backing off")
+		entry.WithError(out.err).WithField("delay", out.delay).Error("event handling failed; backing off")
 	}
 }
 

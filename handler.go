@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"reflect"
+	"slices"
+	"strings"
 )
 
 // Handler handles one typed event.
@@ -58,4 +60,42 @@ func (m *Mux) HandleEvent(ctx context.Context, event any) error {
 		return route(ctx, event)
 	}
 	return nil
+}
+
+// isNil reports whether v is nil or an interface holding a nil pointer,
+// func or map, such as HandlerFunc(nil) or (*Mux)(nil): either would panic
+// on every event rather than once, at New.
+func isNil(v any) bool {
+	if v == nil {
+		return true
+	}
+	switch rv := reflect.ValueOf(v); rv.Kind() {
+	case reflect.Pointer, reflect.Func, reflect.Map, reflect.Interface, reflect.Chan, reflect.Slice:
+		return rv.IsNil()
+	}
+	return false
+}
+
+// checkRoutes reports a type the converter keys but the Mux has no route
+// for, when both are this package's own: such events would all be ignored,
+// which is nearly always a route registered for T beside a converter that
+// yields *T (or the reverse).
+func checkRoutes(h Handler, conv Converter) error {
+	mux, ok := h.(*Mux)
+	tc, ok2 := conv.(*typeConverter)
+	if !ok || !ok2 {
+		return nil
+	}
+	var missing []string
+	for typ := range tc.keys {
+		if _, routed := mux.routes[typ]; !routed {
+			missing = append(missing, typ.String())
+		}
+	}
+	if len(missing) == 0 {
+		return nil
+	}
+	slices.Sort(missing)
+	return fmt.Errorf("%w: the converter keys %s but the Mux has no route for it (On registers the exact type: a pointer and its value type differ)",
+		ErrInvalidOption, strings.Join(missing, ", "))
 }

@@ -46,7 +46,7 @@ func TestFailureRetryAndGiveUpLogs(t *testing.T) {
 
 	waitFor(t, func() bool { return len(h.entries(failedLine)) == 1 }, "first failure logged")
 	failed := h.entries(failedLine)[0]
-	assert.Equal(t, logrus.WarnLevel, failed.Level)
+	assert.Equal(t, logrus.ErrorLevel, failed.Level, "as containerd logs a failed event")
 	assert.Equal(t, "c1", failed.Data["key"])
 	assert.Equal(t, "/tasks/exit", failed.Data["topic"])
 	assert.Equal(t, "k8s.io", failed.Data["namespace"])
@@ -63,7 +63,8 @@ func TestFailureRetryAndGiveUpLogs(t *testing.T) {
 	assert.Equal(t, "k8s.io", retries[0].Data["namespace"])
 	assert.Equal(t, 2, retries[0].Data["attempt"])
 	assert.Equal(t, time.Second, retries[0].Data["delay"])
-	assert.Equal(t, failure, retries[0].Data[logrus.ErrorKey], "the retry says what it retries")
+	assert.Equal(t, failure.Error(), retries[0].Data["previous_error"], "the retry says what it retries")
+	assert.NotContains(t, retries[0].Data, logrus.ErrorKey, "the retry line must not read as a failed retry")
 
 	gaveUp := h.entries(giveUpLine)[0]
 	assert.Equal(t, "c1", gaveUp.Data["key"])

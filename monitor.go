@@ -85,8 +85,8 @@ type Monitor struct {
 // with Stop or Shutdown. Invalid options are reported together, wrapping
 // ErrInvalidOption.
 func New(h Handler, opts ...Option) (*Monitor, error) {
-	if h == nil {
-		return nil, fmt.Errorf("%w: nil handler", ErrInvalidOption)
+	if isNil(h) {
+		return nil, fmt.Errorf("%w: nil handler (%T)", ErrInvalidOption, h)
 	}
 	cfg := defaultConfig()
 	for _, opt := range opts {
@@ -95,6 +95,9 @@ func New(h Handler, opts ...Option) (*Monitor, error) {
 		}
 	}
 	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	if err := checkRoutes(h, cfg.converter); err != nil {
 		return nil, err
 	}
 	if cfg.onDrop == nil {

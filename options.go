@@ -42,10 +42,15 @@ const (
 	DefaultMaxBackoff         = 5 * time.Minute
 	DefaultHandleTimeout      = 10 * time.Second
 	DefaultResubscribeInitial = 100 * time.Millisecond
-	DefaultResubscribeMax     = 30 * time.Second
+	DefaultResubscribeMax     = time.Second
 	DefaultIntakeLimit        = 4096
 	DefaultMaxOverruns        = 64
 )
+
+// MaxWorkers bounds WithWorkers. Each worker is a goroutine and a handler
+// call that may be in flight at once; a node never needs more, and a typo
+// (1e6) should be an error rather than gigabytes of stacks.
+const MaxWorkers = 4096
 
 func defaultConfig() config {
 	return config{
@@ -131,7 +136,9 @@ func WithIntakeLimit(n int) Option { return func(c *config) { c.intakeLimit = n 
 // at once. The default logs the drop.
 func WithDropHandler(fn func(Drop)) Option { return func(c *config) { c.onDrop = fn } }
 
-// WithResubscribe sets Run's reconnect backoff: initial delay, doubling to max.
+// WithResubscribe sets Run's reconnect backoff: initial delay, doubling to
+// max. The default cap is a second: a local runtime's socket costs nothing
+// to retry, and a longer cap mostly delays the return after a restart.
 func WithResubscribe(initial, max time.Duration) Option {
 	return func(c *config) { c.resubInitial, c.resubMax = initial, max }
 }
@@ -168,8 +175,8 @@ func (c *config) validate() error {
 	if !(c.jitter >= 0 && c.jitter <= 1) { // also rejects NaN
 		bad("jitter %v: want 0..1", c.jitter)
 	}
-	if c.workers < 1 {
-		bad("workers %d: want at least 1", c.workers)
+	if c.workers < 1 || c.workers > MaxWorkers {
+		bad("workers %d: want 1..%d", c.workers, MaxWorkers)
 	}
 	if c.handleTimeout < 0 {
 		bad("handle timeout %v: want > 0, or 0 for none", c.handleTimeout)
@@ -188,6 +195,9 @@ func (c *config) validate() error {
 	}
 	if c.resubInitial <= 0 || c.resubMax <= 0 || c.resubInitial > c.resubMax {
 		bad("resubscribe initial %v, max %v: want 0 < initial <= max", c.resubInitial, c.resubMax)
+	}
+	if c.converter != nil && isNil(c.converter) {
+		bad("nil converter (%T)", c.converter)
 	}
 	if c.logger == nil {
 		bad("nil logger")
