@@ -76,26 +76,35 @@ func isNil(v any) bool {
 	return false
 }
 
-// checkRoutes reports a type the converter keys but the Mux has no route
-// for, when both are this package's own: such events would all be ignored,
-// which is nearly always a route registered for T beside a converter that
-// yields *T (or the reverse).
+// checkRoutes reports a route that can never be called, when the handler
+// and the converter are both this package's own: a route for T beside a
+// converter that keys *T, with no route for *T (or the reverse). Events of
+// *T would all be ignored. A keyed type with no route at all is fine (a
+// converter that keys every runtime event beside a Mux for a few), and so
+// is a route for a type no converter keys (Submit and WatchExit bring them).
 func checkRoutes(h Handler, conv Converter) error {
 	mux, ok := h.(*Mux)
 	tc, ok2 := conv.(*typeConverter)
 	if !ok || !ok2 {
 		return nil
 	}
-	var missing []string
-	for typ := range tc.keys {
-		if _, routed := mux.routes[typ]; !routed {
-			missing = append(missing, typ.String())
+	var mismatched []string
+	for keyed := range tc.keys {
+		if _, routed := mux.routes[keyed]; routed {
+			continue
+		}
+		twin := reflect.PointerTo(keyed)
+		if keyed.Kind() == reflect.Pointer {
+			twin = keyed.Elem()
+		}
+		if _, routed := mux.routes[twin]; routed {
+			mismatched = append(mismatched, fmt.Sprintf("the converter yields %v but the Mux routes %v", keyed, twin))
 		}
 	}
-	if len(missing) == 0 {
+	if len(mismatched) == 0 {
 		return nil
 	}
-	slices.Sort(missing)
-	return fmt.Errorf("%w: the converter keys %s but the Mux has no route for it (On registers the exact type: a pointer and its value type differ)",
-		ErrInvalidOption, strings.Join(missing, ", "))
+	slices.Sort(mismatched)
+	return fmt.Errorf("%w: %s (On routes the exact type: a pointer and its value type differ)",
+		ErrInvalidOption, strings.Join(mismatched, "; "))
 }

@@ -976,6 +976,20 @@ func TestRegression15ConfigMismatchRejected(t *testing.T) {
 		t.Errorf("New(Mux routing rgValueEvent, converter keying *rgValueEvent) = %v, want an error wrapping ErrInvalidOption naming the type", err)
 	}
 
+	// A keyed type with no route at all is not a mistake: a converter that
+	// keys every runtime event beside a Mux for a few of them.
+	partial := eventmonitor.NewMux()
+	eventmonitor.On(partial, func(ctx context.Context, e *rgValueEvent) error { return nil })
+	wide := eventmonitor.NewConverter(
+		eventmonitor.KeyOf(func(e *rgValueEvent) string { return e.ID }),
+		eventmonitor.KeyOf(func(e *strings.Builder) string { return "" }))
+	m, err = eventmonitor.New(partial, eventmonitor.WithConverter(wide))
+	if err != nil {
+		t.Errorf("New(Mux routing *rgValueEvent, converter keying it and another type) = %v, want no error", err)
+	} else {
+		m.Stop()
+	}
+
 	m, err = eventmonitor.New(eventmonitor.HandlerFunc(func(ctx context.Context, event any) error { return nil }),
 		eventmonitor.WithWorkers(4097)) // MaxWorkers (4096) + 1; 1_000_000 in regress_new_test.go
 	if m != nil {
