@@ -148,8 +148,8 @@ func (m *Monitor) scheduler() {
 		if len(m.due) > 0 {
 			m.armed, m.wakeAt = true, m.epoch.Add(m.due[0].due)
 		}
-		if c := m.calls.firstLive(); c != nil && m.cfg.handleTimeout > 0 && (!m.armed || c.deadline().Before(m.wakeAt)) {
-			m.armed, m.wakeAt = true, c.deadline()
+		if at, ok := m.calls.nextWake(); ok && m.cfg.handleTimeout > 0 && (!m.armed || at.Before(m.wakeAt)) {
+			m.armed, m.wakeAt = true, at
 		}
 		armed, wakeAt := m.armed, m.wakeAt
 		m.mu.Unlock()

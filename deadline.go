@@ -26,7 +26,8 @@ type handlerContext struct {
 
 	// In-flight list links and flags, guarded by Monitor.mu.
 	link      listLinks[handlerContext]
-	expired   bool // the deadline passed while the call ran
+	late      bool // the deadline passed while the call ran: its context ended
+	expired   bool // the grace after the deadline passed too: the call overruns
 	replaced  bool // a new worker took this call's worker's place
 	abandoned bool // Stop gave up waiting for this call
 
@@ -58,6 +59,15 @@ func (e ctxEnd) err() error {
 
 func (c *handlerContext) deadline() time.Time {
 	return c.monitor.epoch.Add(c.start + c.monitor.cfg.handleTimeout)
+}
+
+// overrunAt is when a call still running past its deadline is reported as
+// overrunning. The grace lets a handler that keeps a timeout of its own,
+// started a moment after the monitor's, return as its own deadline passes
+// without being taken for a stuck one (containerd's handlers do exactly
+// that), while a stuck call is still found within a second.
+func (c *handlerContext) overrunAt() time.Time {
+	return c.deadline().Add(min(time.Second, c.monitor.cfg.handleTimeout/10))
 }
 
 // started is when the call began.
@@ -142,11 +152,25 @@ type callList struct {
 
 func (c *handlerContext) links() *listLinks[handlerContext] { return &c.link }
 
-// firstLive returns the oldest call whose deadline has not been reached.
-func (l *callList) firstLive() *handlerContext {
-	c := l.head
-	for c != nil && c.expired {
-		c = c.link.next
+// nextWake returns when the scheduler must look at the calls in flight
+// again: the earliest deadline of a call within it, or the end of the grace
+// of a call past its deadline. Calls are in deadline order, so the search
+// ends at the first call within its deadline. mu is held.
+func (l *callList) nextWake() (at time.Time, ok bool) {
+	for c := l.head; c != nil; c = c.link.next {
+		if c.expired {
+			continue
+		}
+		t := c.deadline()
+		if c.late {
+			t = c.overrunAt()
+		}
+		if !ok || t.Before(at) {
+			at, ok = t, true
+		}
+		if !c.late {
+			break
+		}
 	}
-	return c
+	return at, ok
 }

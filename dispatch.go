@@ -395,10 +395,17 @@ func (m *Monitor) expireCalls(now time.Time) []overrun {
 		if c.deadline().After(now) {
 			break
 		}
+		if !c.late {
+			c.late = true
+			c.end(endedDeadline)
+		}
+		if !c.expired && c.overrunAt().After(now) {
+			c = next // within its grace; a later call may have reached its deadline
+			continue
+		}
 		if !c.expired {
 			c.expired = true
 			m.overrunning++
-			c.end(endedDeadline)
 			o := overrun{key: c.key, started: c.started()}
 			if c.by.pooled && m.state != stateStopped {
 				if m.replaced < m.cfg.maxOverruns {

@@ -453,11 +453,16 @@ func logDrop(l *log.Entry) func(Drop) {
 }
 
 // Stop ends intake, cancels the context of every call in progress and waits
-// for those calls to return; a call still running at its deadline is
-// abandoned (its event dropped), so Stop returns within the handle timeout
-// even if a handler ignores its context. Then every event not yet handled,
-// queued or in backoff, goes to the drop handler with ErrStopped. Stop is
-// idempotent and safe to call from several goroutines.
+// for those calls to return; a call still running when it overruns (its
+// deadline plus a grace, see WithHandleTimeout) is abandoned (its event
+// dropped), so Stop returns within about the handle timeout even if a
+// handler ignores its context. Then every event not yet handled, queued or
+// in backoff, goes to the drop handler with ErrStopped. Stop is idempotent
+// and safe to call from several goroutines.
+//
+// Do not call Stop from a handler: it would wait for that very call until
+// it overruns, then report its event dropped (with WithHandleTimeout(0), for
+// ever). Call go m.Stop() instead.
 func (m *Monitor) Stop() {
 	m.stopOnce.Do(m.stop)
 	<-m.stopped

@@ -320,7 +320,7 @@ func TestStopAbandonsACallThatIgnoresItsContext(t *testing.T) {
 	stopped := make(chan struct{})
 	go func() { h.m.Stop(); close(stopped) }()
 	waitFor(t, h.stopping, "Stop begins")
-	h.clock.Step(10 * time.Second) // the call's deadline passes
+	h.clock.Step(10*time.Second + time.Second) // the deadline, then the grace of min(1 s, timeout/10)
 	<-stopped
 
 	drops := h.drops.all()

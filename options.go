@@ -100,8 +100,11 @@ func WithWorkers(n int) Option { return func(c *config) { c.workers = n } }
 // every call to return, however long. Use it when handlers enforce their
 // own timeouts.
 //
-// A call that overruns it (a handler that ignores its ctx, say a hung shim
-// call) is logged, and keeps its key held until it really returns: nothing
+// At the deadline the call's ctx ends. A call still running a grace of
+// min(1 s, d/10) later overruns (a handler that ignores its ctx, say a hung
+// shim call; the grace spares a handler whose own timeout, started a moment
+// after the monitor's, ends just past it): it is logged, and keeps its key
+// held until it really returns: nothing
 // else of that key runs beside it. Its worker does not stay with it: a new
 // worker takes its place, so the other keys keep moving (see
 // WithMaxOverruns). When the call returns, its outcome is settled as usual.

@@ -912,7 +912,6 @@ func TestRegression13IdleNewStartsNoGoroutine(t *testing.T) {
 // returns by deadline + 50 ms is never counted in Stats().Overrunning nor
 // replaced; one still running at deadline + 100 ms is counted.
 func TestRegression14OverrunGrace(t *testing.T) {
-	t.Skip("known defect, fixed by the core rebuild (issue 21): no grace before an overrun is reported")
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	clk := testclock.NewFakeClock(time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC))
 	gates := map[string]*rgGate{"a": newRgGate(), "b": newRgGate()}

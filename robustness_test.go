@@ -16,6 +16,10 @@ const overranLine = "event handler overran its timeout; its key stays held until
 // A handler that ignores its ctx and never returns must not hang Shutdown:
 // once the drain has nothing else to do, the stuck call is abandoned as
 // Stop abandons it, at its deadline.
+// grace is how long past its deadline a call of these tests' 1 s timeout
+// may run before it counts as overrunning: min(1 s, timeout/10).
+const grace = 100 * time.Millisecond
+
 func TestShutdownDoesNotHangBehindAStuckHandler(t *testing.T) {
 	r := newRecorder()
 	h := newHarness(t, r, WithHandleTimeout(time.Second))
@@ -28,7 +32,7 @@ func TestShutdownDoesNotHangBehindAStuckHandler(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- h.m.Shutdown(context.Background()) }()
 	waitFor(t, h.stopping, "Shutdown begins")
-	h.clock.Step(time.Second) // stuck/1 overruns: other/1 gets a worker, then nothing is left to drain
+	h.clock.Step(time.Second + grace) // stuck/1 overruns: other/1 gets a worker, then nothing is left to drain
 	select {
 	case err := <-done:
 		require.ErrorIs(t, err, ErrStopped)
@@ -61,7 +65,7 @@ func TestStuckHandlerDoesNotTakeItsWorker(t *testing.T) {
 	h.submit(t, ev{"stuck", 2}, ev{"a", 1}, ev{"b", 1})
 	assert.Empty(t, r.handledList(), "within its deadline the call keeps the only worker")
 
-	h.clock.Step(time.Second)
+	h.clock.Step(time.Second + grace)
 	waitFor(t, func() bool { return len(r.handledList()) == 2 }, "other keys handled by the replacement worker")
 	assert.Equal(t, anys(ev{"a", 1}, ev{"b", 1}), r.handledList())
 	s := h.m.Stats()
@@ -98,9 +102,9 @@ func TestMaxOverrunsBoundsReplacedWorkers(t *testing.T) {
 	h.submit(t, ev{"a", 1})
 	<-startedA
 	h.submit(t, ev{"b", 1}, ev{"c", 1})
-	h.clock.Step(time.Second) // a overruns: replaced, the new worker takes b
+	h.clock.Step(time.Second + grace) // a overruns: replaced, the new worker takes b
 	<-startedB
-	h.clock.Step(time.Second) // b overruns: the bound is reached, c waits
+	h.clock.Step(time.Second + grace) // b overruns: the bound is reached, c waits
 	const limitLine = "too many handler calls overrunning their timeout (WithMaxOverruns): this one keeps its worker"
 	waitFor(t, func() bool { return h.logged(limitLine, "b") }, "b's overrun logged, at the bound")
 	assert.True(t, h.logged(overranLine, "b"))
@@ -174,7 +178,7 @@ func TestBareStartLastsUntilStop(t *testing.T) {
 	h.submit(t, ev{"a", 1})
 	waitFor(t, func() bool { return h.m.InBackoff("a") }, "a fails")
 	h.settled(t)
-	h.clock.Step(time.Second)
+	h.clock.Step(time.Second + grace)
 	waitFor(t, func() bool { return len(r.handledList()) == 1 }, "the backoff replay runs")
 	select {
 	case err, open := <-errCh:
