@@ -140,12 +140,12 @@ func (m *Monitor) scheduler() {
 		m.mu.Lock()
 		seen := m.wakes
 		now := m.cfg.clock.Now()
-		for len(m.due) > 0 && m.due[0].due <= now.Sub(m.epoch) {
+		for !m.held && len(m.due) > 0 && m.due[0].due <= now.Sub(m.epoch) {
 			m.startReplay(m.due[0])
 		}
 		overruns := m.expireCalls(now)
 		m.armed = false
-		if len(m.due) > 0 {
+		if len(m.due) > 0 && !m.held {
 			m.armed, m.wakeAt = true, m.epoch.Add(m.due[0].due)
 		}
 		if at, ok := m.calls.nextWake(); ok && m.cfg.handleTimeout > 0 && (!m.armed || at.Before(m.wakeAt)) {

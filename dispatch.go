@@ -29,7 +29,7 @@ func (m *Monitor) nextReady() (k *keyState, waited bool) {
 		if m.state == stateStopped {
 			return nil, waited
 		}
-		if m.ready.len() > 0 {
+		if m.ready.len() > 0 && !m.held {
 			k := m.ready.pop()
 			k.ready = false
 			if k.running == nil && k.heapIndex < 0 && k.queue.len() > 0 {

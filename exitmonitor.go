@@ -132,7 +132,7 @@ func (m *Monitor) handleExit(key string, build func(uint32, time.Time) any, code
 		return
 	}
 	defer m.mu.Unlock()
-	if k.running != nil || k.ready || k.inBackoff() || k.queue.len() > 1 {
+	if m.held || k.running != nil || k.ready || k.inBackoff() || k.queue.len() > 1 {
 		m.schedule(k)
 		return
 	}

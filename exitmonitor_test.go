@@ -105,3 +105,19 @@ func TestWatchExitEndsOnStop(t *testing.T) {
 	<-done
 	<-WatchExit(context.Background(), h.m, "c2", make(chan fakeExit), exitOf("c2"))
 }
+
+// TestWatchExitWaitsForADeferredStart: under WithDeferredStart an exit is
+// queued, not handled inline, until Start.
+func TestWatchExitWaitsForADeferredStart(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithDeferredStart())
+	exitCh := make(chan fakeExit, 1)
+	done := WatchExit(context.Background(), h.m, "c1", exitCh, exitOf("c1"))
+	exitCh <- fakeExit{code: 1, at: epoch}
+	<-done
+	assert.Empty(t, r.handledList(), "nothing is handled before Start")
+	assert.Equal(t, 1, h.m.Stats().Queued, "the exit waits in its key's queue")
+	h.m.Start()
+	h.settled(t)
+	assert.Equal(t, anys(exitEvent{"c1", 1, epoch}), r.handledList())
+}

@@ -49,6 +49,7 @@ type Monitor struct {
 	replaced        int // of those, calls whose worker a new one replaced
 	abandonedCalls  int // calls Stop gave up waiting for
 	state           runState
+	held            bool // WithDeferredStart: nothing is handled until Start, Run or Shutdown
 	keys            map[string]*keyState
 	idleKeys        linkedList[keyState, *keyState] // idle keys still in keys, oldest first
 	ready           fifo[*keyState]
@@ -116,6 +117,7 @@ func New(h Handler, opts ...Option) (*Monitor, error) {
 		quit:          make(chan struct{}),
 		schedulerDone: make(chan struct{}),
 		stopped:       make(chan struct{}),
+		held:          cfg.deferredStart,
 	}
 	m.workAvailable.L = &m.mu
 	m.progress.L = &m.mu
@@ -319,8 +321,8 @@ func (m *Monitor) WaitIdle(ctx context.Context) error {
 // returned since, so that an idle monitor holds no timer on its clock but
 // for the next retry. mu is held.
 func (m *Monitor) idle() bool {
-	quiet := m.holding == 0 && m.calls.n == 0 && m.ready.len() == 0 && m.intaking.Load() == 0 &&
-		(len(m.due) == 0 || m.due[0].due > m.sinceEpoch())
+	quiet := m.holding == 0 && m.calls.n == 0 && (m.held || m.ready.len() == 0) && m.intaking.Load() == 0 &&
+		(m.held || len(m.due) == 0 || m.due[0].due > m.sinceEpoch())
 	if !quiet || m.armedFor != m.wakes {
 		return false
 	}
@@ -561,6 +563,7 @@ func (m *Monitor) waitProgress() {
 func (m *Monitor) Shutdown(ctx context.Context) error {
 	m.cancelIntake()
 	m.mu.Lock()
+	m.releaseHold() // a drain handles what is queued, held or not
 	if m.state == stateRunning {
 		m.state = stateDraining
 		for len(m.due) > 0 {
@@ -609,4 +612,15 @@ func (m *Monitor) drainable() bool {
 		}
 	}
 	return m.queued > held
+}
+
+// releaseHold ends WithDeferredStart's hold: workers take the keys that
+// became ready, and the scheduler replays what came due. mu is held.
+func (m *Monitor) releaseHold() {
+	if !m.held {
+		return
+	}
+	m.held = false
+	m.workAvailable.Broadcast()
+	m.wakeScheduler()
 }

@@ -33,6 +33,7 @@ type config struct {
 	resync          func(ctx context.Context) error
 	logger          *log.Entry
 	metrics         Metrics
+	deferredStart   bool
 }
 
 // Defaults. The backoff and worker defaults are containerd's CRI event
@@ -160,6 +161,14 @@ func WithResubscribe(initial, max time.Duration) Option {
 func WithResync(fn func(ctx context.Context) error) Option {
 	return func(c *config) { c.resync = fn }
 }
+
+// WithDeferredStart makes New's monitor hold everything it accepts until
+// Start, Run or Shutdown is called, as containerd's monitor does: Submit,
+// Backoff and WatchExit queue their events, but nothing is handled and no
+// backoff replays. A key whose backoff came due while held replays at once
+// when the hold ends. Use it when events may arrive (a recovery calling
+// Backoff, say) before their handler can run.
+func WithDeferredStart() Option { return func(c *config) { c.deferredStart = true } }
 
 // WithLogger sets the logger; every line carries the event's fields on top.
 func WithLogger(l *log.Entry) Option { return func(c *config) { c.logger = l } }

@@ -81,6 +81,7 @@ func (m *Monitor) Start() <-chan error {
 		err = ErrStopped
 	case sub == nil:
 		m.lifetimes = append(m.lifetimes, errCh)
+		m.releaseHold()
 		m.mu.Unlock()
 		return errCh
 	case m.cfg.converter == nil:
@@ -89,6 +90,7 @@ func (m *Monitor) Start() <-chan error {
 		err = ErrAlreadyRunning
 	default:
 		m.reading = true
+		m.releaseHold()
 		m.goroutines.Add(1)
 	}
 	m.mu.Unlock()
@@ -148,6 +150,7 @@ func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) erro
 		return ErrAlreadyRunning
 	}
 	m.reading = true
+	m.releaseHold()
 	m.mu.Unlock()
 	defer m.doneReading()
 
