@@ -236,7 +236,7 @@ func TestIgnoredAndOverrunning(t *testing.T) {
 	}))
 	require.NoError(t, m.Submit("hung", "event"))
 	waitFor(t, "the call and the ignored envelopes", func() bool { s := m.Stats(); return s.InFlight == 1 && s.Ignored == 2 })
-	clock.Step(time.Second)
+	clock.Step(time.Second + 100*time.Millisecond) // the deadline, then the grace of min(1 s, timeout/10)
 	waitFor(t, "the overrun", func() bool { return m.Stats().Overrunning == 1 })
 
 	families := scrape(t, server.URL)
