@@ -121,3 +121,15 @@ func TestWatchExitWaitsForADeferredStart(t *testing.T) {
 	h.settled(t)
 	assert.Equal(t, anys(exitEvent{"c1", 1, epoch}), r.handledList())
 }
+
+// TestWaitIdleOnAHeldMonitorInBackoff: a held monitor arms no timer for a
+// key in backoff, and WaitIdle must take that as idle rather than wake the
+// scheduler again and again.
+func TestWaitIdleOnAHeldMonitorInBackoff(t *testing.T) {
+	h := newHarness(t, newRecorder(), WithDeferredStart())
+	h.m.Backoff("b", ev{"b", 1})
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	require.NoError(t, h.m.WaitIdle(ctx))
+	assert.True(t, h.m.InBackoff("b"))
+}

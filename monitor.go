@@ -326,7 +326,8 @@ func (m *Monitor) idle() bool {
 	if !quiet || m.armedFor != m.wakes {
 		return false
 	}
-	if len(m.due) == 0 && !m.armed || len(m.due) > 0 && m.armed && m.wakeAt.Equal(m.epoch.Add(m.due[0].due)) {
+	wantsTimer := len(m.due) > 0 && !m.held // a held monitor replays nothing: no timer
+	if !wantsTimer && !m.armed || wantsTimer && m.armed && m.wakeAt.Equal(m.epoch.Add(m.due[0].due)) {
 		return true
 	}
 	m.wakeScheduler()
