@@ -54,7 +54,9 @@ func TestSubscribeRightAfterTheDaemonIsBack(t *testing.T) {
 	_, errs := sub.Subscribe(ctx)
 	require.Error(t, <-errs)
 	cancel()
-	require.Equal(t, connectivity.TransientFailure, conn.GetState())
+	// gRPC may already be connecting again (TransientFailure or Connecting,
+	// by its own timing): what matters is that it is not ready.
+	require.NotEqual(t, connectivity.Ready, conn.GetState())
 
 	l, err := net.Listen("unix", socket)
 	require.NoError(t, err)
