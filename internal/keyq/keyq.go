@@ -1,0 +1,310 @@
+// Package keyq is the monitor's data structure: a FIFO queue per key, each
+// key's phase, its backoff, the run queue of ready keys and the heap of keys
+// waiting for a retry. It has no locks, no goroutines and no clock: the
+// monitor serialises every call and passes the time in. That keeps every
+// rule about a key's life in this one file, testable on plain times.
+//
+// A key is in exactly one phase:
+//
+//	Idle     nothing queued, not in backoff: the key is forgotten
+//	Ready    events queued, in the run queue, waiting for a worker
+//	Running  a handler call for its head event is in progress
+//	Waiting  in backoff, in the heap until its due time
+//
+// Only Take moves a key to Running and only a call's end (Done, Failed)
+// moves it out again, so a key is never on two goroutines.
+//
+// Backoff: a failed event goes back to the head of its key's queue and the
+// key waits. When due, every event then queued is the replay, handled in
+// order; once all of them are handled the key leaves backoff. A replay that
+// fails on its first event doubles the delay (up to the cap); any other
+// failure waits the initial delay, so a key with independent failures keeps
+// moving.
+package keyq
+
+import (
+	"math"
+	"time"
+)
+
+// Phase is where a key is in its life; see the package doc.
+type Phase uint8
+
+const (
+	Idle Phase = iota
+	Ready
+	Running
+	Waiting
+)
+
+// Delays is the backoff policy.
+type Delays struct {
+	Initial, Max time.Duration
+	Jitter       float64        // 0..1: spread each delay by up to ±Jitter of itself
+	Rand         func() float64 // [0, 1); needed only with Jitter
+}
+
+// Key is one key's queue and state. Read it through its methods; only Set
+// changes it.
+type Key[T any] struct {
+	name    string
+	phase   Phase
+	items   fifo[T]
+	backoff *backoff // set while the key is in backoff: waiting or replaying
+	prev    *Key[T]  // run queue links, while Ready
+	next    *Key[T]
+	index   int // in the heap, while Waiting
+}
+
+type backoff struct {
+	delay      time.Duration
+	due        time.Time // when the replay starts; kept while the key waits
+	replayLeft int       // replay events at the head of the queue, not yet taken
+	begun      bool      // the replay's first event was taken
+	inCall     bool      // the call in progress is one of the replay's
+	progressed bool      // the replay handled one of its events
+}
+
+func (k *Key[T]) Name() string    { return k.name }
+func (k *Key[T]) Phase() Phase    { return k.phase }
+func (k *Key[T]) Len() int        { return k.items.len() }
+func (k *Key[T]) Items() []T      { return k.items.all() }
+func (k *Key[T]) InBackoff() bool { return k.backoff != nil }
+
+// Due is when a key in backoff replays (in the past while it replays).
+func (k *Key[T]) Due() time.Time {
+	if k.backoff == nil {
+		return time.Time{}
+	}
+	return k.backoff.due
+}
+
+// Delay is the backoff delay the key waits, 0 outside backoff.
+func (k *Key[T]) Delay() time.Duration {
+	if k.backoff == nil {
+		return 0
+	}
+	return k.backoff.delay
+}
+
+// Set holds every key that is not Idle.
+type Set[T any] struct {
+	delays  Delays
+	keys    map[string]*Key[T]
+	ready   runQueue[T]
+	waiting dueHeap[T]
+
+	// Gauges, kept by count and uncount around every change to a key.
+	events, backoffKeys, backoffEvents int
+}
+
+// New returns an empty Set.
+func New[T any](d Delays) *Set[T] {
+	return &Set[T]{delays: d, keys: make(map[string]*Key[T])}
+}
+
+// Get returns key's state, nil if it is Idle.
+func (s *Set[T]) Get(name string) *Key[T] { return s.keys[name] }
+
+// Keys calls fn for every key that is not Idle, in no order.
+func (s *Set[T]) Keys(fn func(*Key[T])) {
+	for _, k := range s.keys {
+		fn(k)
+	}
+}
+
+// Queued is the number of events waiting outside backoff.
+func (s *Set[T]) Queued() int { return s.events - s.backoffEvents }
+
+// InBackoff is the number of keys in backoff and of the events they hold.
+func (s *Set[T]) InBackoff() (keys, events int) { return s.backoffKeys, s.backoffEvents }
+
+// HasReady reports whether a key waits in the run queue.
+func (s *Set[T]) HasReady() bool { return s.ready.head != nil }
+
+// Earliest is the waiting key due first, nil if none waits.
+func (s *Set[T]) Earliest() *Key[T] {
+	if len(s.waiting) == 0 {
+		return nil
+	}
+	return s.waiting[0]
+}
+
+// Push appends it to key's queue. An Idle key becomes Ready.
+func (s *Set[T]) Push(name string, it T) *Key[T] {
+	k := s.keys[name]
+	if k == nil {
+		k = &Key[T]{name: name, index: -1}
+		s.keys[name] = k
+	}
+	s.uncount(k)
+	k.items.push(it)
+	if k.phase == Idle {
+		s.moveTo(k, Ready)
+	}
+	s.count(k)
+	return k
+}
+
+// PushBackoff appends it to key's queue and, unless the key is in backoff
+// already, puts it in backoff with the initial delay from now. A Running
+// key starts waiting when its call ends.
+func (s *Set[T]) PushBackoff(name string, it T, now time.Time) *Key[T] {
+	k := s.Push(name, it)
+	if k.backoff != nil {
+		return k
+	}
+	s.uncount(k)
+	k.backoff = &backoff{delay: s.delays.Initial, due: s.dueAfter(now, s.delays.Initial)}
+	if k.phase == Ready {
+		s.moveTo(k, Waiting)
+	}
+	s.count(k)
+	return k
+}
+
+// Take moves the first Ready key to Running and returns it with its head
+// event, or nil if no key is ready. replayStart reports that the event is
+// the first of a replay.
+func (s *Set[T]) Take() (k *Key[T], it T, replayStart bool) {
+	if s.ready.head == nil {
+		return nil, it, false
+	}
+	k = s.ready.head
+	it, replayStart = s.TakeKey(k)
+	return k, it, replayStart
+}
+
+// TakeKey moves k, which must be Ready, to Running and returns its head
+// event; see Take.
+func (s *Set[T]) TakeKey(k *Key[T]) (it T, replayStart bool) {
+	s.uncount(k)
+	s.moveTo(k, Running)
+	it = k.items.pop()
+	if b := k.backoff; b != nil && b.replayLeft > 0 {
+		replayStart, b.begun = !b.begun, true
+		b.replayLeft--
+		b.inCall = true
+	}
+	s.count(k)
+	return it, replayStart
+}
+
+// Done ends k's call, whose event is finished with: handled (progressed)
+// or given up on. The key leaves backoff once its replay is done, then goes
+// on to wait (a PushBackoff during the call), to Ready, or to Idle.
+func (s *Set[T]) Done(k *Key[T], progressed bool) {
+	s.uncount(k)
+	if b := k.backoff; b != nil && b.inCall {
+		b.inCall = false
+		b.progressed = b.progressed || progressed
+		if b.replayLeft == 0 {
+			k.backoff = nil
+		}
+	}
+	switch {
+	case k.backoff != nil && k.backoff.replayLeft == 0:
+		s.moveTo(k, Waiting)
+	case k.items.len() > 0:
+		s.moveTo(k, Ready)
+	default:
+		s.moveTo(k, Idle)
+	}
+	s.count(k)
+}
+
+// Failed ends k's call by putting its event it back at the head of the
+// queue; the key waits. A key already given a due time while the call ran
+// (PushBackoff) keeps it.
+func (s *Set[T]) Failed(k *Key[T], it T, now time.Time) {
+	s.uncount(k)
+	k.items.pushFront(it)
+	b := k.backoff
+	switch {
+	case b != nil && !b.inCall && b.replayLeft == 0:
+		// due already set
+	case b != nil && b.inCall && !b.progressed:
+		b.delay = doubled(b.delay, s.delays.Max)
+		b.due, b.inCall, b.replayLeft = s.dueAfter(now, b.delay), false, 0
+	default:
+		k.backoff = &backoff{delay: s.delays.Initial, due: s.dueAfter(now, s.delays.Initial)}
+	}
+	s.moveTo(k, Waiting)
+	s.count(k)
+}
+
+// Replay starts k's replay: k, which must be Waiting, becomes Ready with
+// every event it holds now as the replay.
+func (s *Set[T]) Replay(k *Key[T]) {
+	s.uncount(k)
+	k.backoff.replayLeft, k.backoff.begun, k.backoff.progressed = k.items.len(), false, false
+	s.moveTo(k, Ready)
+	s.count(k)
+}
+
+// Forget removes every queued event of key and returns them in order; the
+// key leaves backoff. A Running key stays Running, with its call.
+func (s *Set[T]) Forget(name string) []T {
+	k := s.keys[name]
+	if k == nil {
+		return nil
+	}
+	s.uncount(k)
+	items := k.items.takeAll()
+	k.backoff = nil
+	if k.phase != Running {
+		s.moveTo(k, Idle)
+	}
+	s.count(k)
+	return items
+}
+
+// moveTo changes k's phase, entering and leaving the run queue, the heap
+// and the map as the phases require.
+func (s *Set[T]) moveTo(k *Key[T], p Phase) {
+	switch k.phase {
+	case Ready:
+		s.ready.remove(k)
+	case Waiting:
+		s.waiting.remove(k)
+	}
+	k.phase = p
+	switch p {
+	case Ready:
+		s.ready.push(k)
+	case Waiting:
+		s.waiting.add(k)
+	case Idle:
+		k.items = fifo[T]{} // a burst's array is not kept
+		delete(s.keys, k.name)
+	}
+}
+
+func (s *Set[T]) count(k *Key[T])   { s.gauge(k, 1) }
+func (s *Set[T]) uncount(k *Key[T]) { s.gauge(k, -1) }
+
+func (s *Set[T]) gauge(k *Key[T], sign int) {
+	s.events += sign * k.items.len()
+	if k.backoff != nil {
+		s.backoffKeys += sign
+		s.backoffEvents += sign * k.items.len()
+	}
+}
+
+// doubled is 2d, capped at limit, without overflowing.
+func doubled(d, limit time.Duration) time.Duration {
+	if d >= limit/2 {
+		return limit
+	}
+	return 2 * d
+}
+
+// dueAfter is now plus d spread by the jitter, saturating rather than
+// overflowing for delays near the largest Duration.
+func (s *Set[T]) dueAfter(now time.Time, d time.Duration) time.Time {
+	if j := s.delays.Jitter; j > 0 {
+		spread := float64(d) * (1 + j*(2*s.delays.Rand()-1))
+		d = time.Duration(max(1, min(spread, math.MaxInt64/2)))
+	}
+	return now.Add(d)
+}
