@@ -176,29 +176,6 @@ func heapInUse() int64 {
 	return int64(ms.HeapAlloc)
 }
 
-// BenchmarkFifoSlidingWindow pushes and pops a queue that holds a steady
-// backlog, as a key's queue does under a flood: the cost per item must not
-// grow with the backlog.
-func BenchmarkFifoSlidingWindow(b *testing.B) {
-	for _, backlog := range []int{100, 10_000} {
-		b.Run("backlog="+strconv.Itoa(backlog), func(b *testing.B) {
-			var q fifo[item]
-			for range backlog {
-				q.push(item{})
-			}
-			b.ReportAllocs()
-			for i := range b.N {
-				q.push(item{})
-				if i%8 == 0 { // a worker's turn takes a few at a time
-					for range 8 {
-						q.pop()
-					}
-				}
-			}
-		})
-	}
-}
-
 // BenchmarkBurstDrain submits a burst over 200 keys to a handler that fails
 // 20 % of its calls at random, with a real clock and a backoff of 10 ms
 // doubling to 1 s, and times until every event is handled: how fast keys

@@ -98,11 +98,12 @@ func ExampleMux() {
 	ctx := context.Background()
 	_ = mux.HandleEvent(ctx, &TaskOOM{ID: "c1"})
 	_ = mux.HandleEvent(ctx, &TaskExit{ID: "c1", Code: 137})
-	fmt.Println(mux.HandleEvent(ctx, "no route for strings"))
+	err := mux.HandleEvent(ctx, "no route for strings") // the monitor counts it as ignored
+	fmt.Println(errors.Is(err, eventmonitor.ErrUnsupportedEvent))
 	// Output:
 	// c1 ran out of memory
 	// c1 exited with 137
-	// <nil>
+	// true
 }
 
 // exitStatus stands in for containerd's ExitStatus, which WatchExit takes as is.

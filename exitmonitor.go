@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"time"
+
+	"github.com/eventmonitor/eventmonitor/internal/keyq"
 )
 
 // ExitStatus is a process's exit as a runtime reports it; containerd's
@@ -29,8 +31,9 @@ const UnknownExitCode = 255
 // If Result fails, or exitCh is closed without a value, the exit is reported
 // with UnknownExitCode at the monitor clock's now. The returned channel is
 // closed when the exit was handled or queued, when ctx ends (the exit is
-// then not handled), or when the monitor stops. An exit that arrives as the
-// monitor stops goes to the drop handler with ErrStopped.
+// then not handled), or when Stop begins. An exit that arrives once
+// Shutdown began, or is in exitCh when Stop begins, goes to the drop
+// handler with ErrStopped.
 //
 // A nil m, exitCh or event is a programming error: WatchExit panics at once
 // rather than in its goroutine or never.
@@ -60,28 +63,32 @@ func WatchExitResult[S ExitStatus](ctx context.Context, m *Monitor, key string, 
 	}
 	done := make(chan struct{})
 	m.mu.Lock()
-	if m.state == stateStopped {
+	if m.state == stopped {
 		m.mu.Unlock()
 		close(done)
 		return done
 	}
-	m.goroutines.Add(1)
+	m.watchers.Add(1)
 	m.mu.Unlock()
 	go func() {
-		defer m.goroutines.Done()
 		defer close(done)
-		var code uint32
-		var at time.Time
-		var err error
+		var s S
+		var received bool
 		select {
 		case <-ctx.Done():
+			m.watchers.Done()
 			return
-		case <-m.intake.Done():
-			return
-		case s, ok := <-exitCh:
-			code, at, err = m.exitResult(key, s, ok)
+		case s, received = <-exitCh:
+		case <-m.stopping:
+			select { // an exit already there is accounted for: dropped, not lost
+			case s, received = <-exitCh:
+			default:
+				m.watchers.Done()
+				return
+			}
 		}
-		m.handleExit(key, func(code uint32, at time.Time) any { return event(code, at, err) }, code, at)
+		code, at, err := m.exitResult(key, s, received)
+		m.handleExit(key, func() any { return event(code, at, err) })
 	}()
 	return done
 }
@@ -109,7 +116,12 @@ func (m *Monitor) exitResult(key string, s ExitStatus, received bool) (code uint
 	return code, at, nil
 }
 
-func (m *Monitor) handleExit(key string, build func(uint32, time.Time) any, code uint32, at time.Time) {
+// handleExit accepts the exit event build makes and, when its key is idle,
+// handles it at once on the watcher's goroutine, through the same call path
+// as a worker's but holding no worker slot. Otherwise the exit waits its
+// turn behind the key's other events. The watcher stops counting for Stop
+// before it makes the call: Stop waits for calls, and abandons stuck ones.
+func (m *Monitor) handleExit(key string, build func() any) {
 	var event any
 	err := func() (err error) {
 		defer func() {
@@ -117,35 +129,33 @@ func (m *Monitor) handleExit(key string, build func(uint32, time.Time) any, code
 				err = fmt.Errorf("%w: exit event builder panicked: %v", ErrInvalidEvent, r)
 			}
 		}()
-		event = build(code, at)
+		event = build()
 		return nil
 	}()
 	m.mu.Lock()
-	var k *keyState
+	var k *keyq.Key[item]
 	if err == nil {
-		k, err = m.accept(key, item{event: event})
+		k, err = m.accept(key, item{event: event}, false)
 	}
 	if err != nil {
-		d := m.refuseLocked(key, event, err)
+		d := m.refuse(key, event, err)
 		m.mu.Unlock()
 		m.emit(d)
+		m.watchers.Done()
 		return
 	}
-	defer m.mu.Unlock()
-	if m.held || k.running != nil || k.ready || k.inBackoff() || k.queue.len() > 1 {
-		m.schedule(k)
-		return
+	var c *call
+	if m.state == running && k.Phase() == keyq.Ready && k.Len() == 1 && !k.InBackoff() {
+		it, _ := m.keys.TakeKey(k)
+		c = m.startCall(k, it, false, false)
 	}
-	m.busy++
-	m.holding++
-	if _, fate := m.handleNext(k, m.callStart(), exitCaller()); fate != callAbandoned {
-		m.handBack(k)
-		m.leave()
+	m.changed()
+	m.mu.Unlock()
+	m.watchers.Done()
+	if c != nil && m.handle(c) {
+		m.mu.Lock()
+		m.calls.remove(c)
+		m.changed()
+		m.mu.Unlock()
 	}
-}
-
-// exitCaller is the caller of an exit handled on its watcher's goroutine:
-// one call, so one context rather than a worker's slab of them.
-func exitCaller() *caller {
-	return &caller{contexts: contextSlab{free: make([]handlerContext, 1)}}
 }

@@ -24,8 +24,9 @@ type HandlerFunc func(ctx context.Context, event any) error
 func (f HandlerFunc) HandleEvent(ctx context.Context, event any) error { return f(ctx, event) }
 
 // Mux routes each event to the function registered for its Go type. Events of
-// a type with no function are ignored: HandleEvent returns nil for them, as
-// containerd's monitor skips topics it does not know.
+// a type with no function are not ours to handle: HandleEvent returns
+// ErrUnsupportedEvent for them, which the monitor counts in Stats.Ignored
+// without retrying, as containerd's monitor skips topics it does not know.
 //
 // Register every type with On before the Mux handles its first event; a Mux
 // is not safe for registration concurrent with handling.
@@ -59,7 +60,7 @@ func (m *Mux) HandleEvent(ctx context.Context, event any) error {
 	if route, ok := m.routes[reflect.TypeOf(event)]; ok {
 		return route(ctx, event)
 	}
-	return nil
+	return fmt.Errorf("%w: no route for %T", ErrUnsupportedEvent, event)
 }
 
 // isNil reports whether v is nil or an interface holding a nil pointer,

@@ -20,7 +20,8 @@ func TestMuxRoutesByType(t *testing.T) {
 
 	require.NoError(t, mux.HandleEvent(context.Background(), ev{"a", 1}))
 	require.Error(t, mux.HandleEvent(context.Background(), &exitEvent{Key: "c"}))
-	require.NoError(t, mux.HandleEvent(context.Background(), exitEvent{Key: "value, not pointer"}), "unrouted types are ignored")
-	require.NoError(t, mux.HandleEvent(context.Background(), nil))
+	require.ErrorIs(t, mux.HandleEvent(context.Background(), exitEvent{Key: "value, not pointer"}), ErrUnsupportedEvent,
+		"unrouted types are not the handler's")
+	require.ErrorIs(t, mux.HandleEvent(context.Background(), nil), ErrUnsupportedEvent)
 	assert.Equal(t, []string{"ev a/1", "exit c"}, got)
 }

@@ -248,5 +248,5 @@ func anys[T any](xs ...T) []any {
 func (h *harness) stopping() bool {
 	h.m.mu.Lock()
 	defer h.m.mu.Unlock()
-	return h.m.state != stateRunning
+	return h.m.state != running && h.m.state != held
 }

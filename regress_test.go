@@ -215,7 +215,7 @@ func rgNew(t *testing.T, h eventmonitor.Handler, opts ...eventmonitor.Option) *e
 // plus grace (min(1 s, timeout/10)), and the exit's event reaches the drop
 // handler with ErrStopped.
 func TestRegression1StopBoundedBehindInlineExit(t *testing.T) {
-	t.Skip("known defect, fixed by the core rebuild (issue 21): Stop waits for an exit watcher's goroutine stuck in its handler")
+
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	gate := newRgGate()
 	defer gate.open()
@@ -257,7 +257,7 @@ func TestRegression1StopBoundedBehindInlineExit(t *testing.T) {
 // (about the handle timeout after the drain stalls), and both the queued
 // event and the stuck call's event reach the drop handler with ErrStopped.
 func TestRegression2ShutdownBoundedAtOverrunLimit(t *testing.T) {
-	t.Skip("known defect, fixed by the core rebuild (issue 21): Shutdown counts a queued event as drainable though no worker can run it")
+
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	gate := newRgGate()
 	defer gate.open()
@@ -302,7 +302,7 @@ func TestRegression2ShutdownBoundedAtOverrunLimit(t *testing.T) {
 // Expected: the waiting envelope is accepted at once after Forget, without
 // releasing the busy handler.
 func TestRegression3ForgetWakesStreamIntake(t *testing.T) {
-	t.Skip("known defect, fixed by the core rebuild (issue 21): Forget does not wake stream intake waiting for room")
+
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	gate := newRgGate()
 	defer gate.open()
@@ -387,7 +387,7 @@ func TestRegression3ForgetWakesStreamIntake(t *testing.T) {
 // started plus the handle timeout, and ctx is Done (DeadlineExceeded) when
 // the clock reaches it.
 func TestRegression4DeadlineFromCallStart(t *testing.T) {
-	t.Skip("known defect, fixed by the core rebuild (issue 21): a call's deadline is taken from the previous call's end")
+
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	clk := testclock.NewFakeClock(time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC))
 	first, second := &rgEvent{Key: "a"}, &rgEvent{Key: "b"}
@@ -457,7 +457,7 @@ func TestRegression4DeadlineFromCallStart(t *testing.T) {
 // goroutine to propagate cancellation. Expected: deriving 32 contexts adds
 // (next to) no goroutine.
 func TestRegression5DerivedContextsCostNoGoroutine(t *testing.T) {
-	t.Skip("known defect, fixed by the core rebuild (issue 21): the custom handler context costs a goroutine per derived context")
+
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	increase := make(chan int, 1)
 	m := rgNew(t, eventmonitor.HandlerFunc(func(ctx context.Context, event any) error {
@@ -494,7 +494,7 @@ func TestRegression5DerivedContextsCostNoGoroutine(t *testing.T) {
 // nor stops them being handled. Expected: Forget returns every event that
 // has not started, in order, and none of them is ever handled.
 func TestRegression6ForgetWithoutTimeoutTakesEverything(t *testing.T) {
-	t.Skip("known defect, fixed by the core rebuild (issue 21): runs hide taken events from Forget")
+
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	for i := range 20 {
 		// Even rounds hold the worker on another key while k's 20 events are
@@ -586,7 +586,7 @@ func rgForgetRound(t *testing.T, round int, gated bool) bool {
 // handled nor dropped. Expected: every exit delivered ends handled or in the
 // drop handler.
 func TestRegression7ExitsDuringShutdownDrainAccounted(t *testing.T) {
-	t.Skip("known defect, fixed by the core rebuild (issue 21): exit watchers quit on the closed intake, losing exits during Shutdown's drain")
+
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	const exits = 200
 	gate := newRgGate()
@@ -653,7 +653,7 @@ func TestRegression7ExitsDuringShutdownDrainAccounted(t *testing.T) {
 // soon after ctx ends, with an error wrapping context.DeadlineExceeded, and
 // the stuck call's event goes to the drop handler with ErrStopped.
 func TestRegression8ShutdownHonoursCtx(t *testing.T) {
-	t.Skip("known defect, fixed by the core rebuild (issue 21): Shutdown does not honour its ctx")
+
 	for _, timeout := range []time.Duration{0, 3 * time.Second} {
 		t.Run("timeout="+timeout.String(), func(t *testing.T) {
 			defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
@@ -698,7 +698,7 @@ func TestRegression8ShutdownHonoursCtx(t *testing.T) {
 // Expected: it counts as Ignored, as an envelope of a type the converter
 // does not key does.
 func TestRegression9UnroutedCountsIgnored(t *testing.T) {
-	t.Skip("known defect, fixed by the core rebuild (issue 21): Mux's unrouted types count as Handled")
+
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	mux := eventmonitor.NewMux()
 	eventmonitor.On(mux, func(ctx context.Context, e *rgExitStatus) error { return nil })
@@ -743,7 +743,7 @@ func TestRegression10TypedNilHandlersRejected(t *testing.T) {
 // thousands of times a second. Expected: due times saturate; a failing key
 // waits about its delay however large.
 func TestRegression11BackoffOverflow(t *testing.T) {
-	t.Skip("known defect, fixed by the core rebuild (issue 21): the epoch-offset due time overflows")
+
 	t.Run("fakeclock/jitter=0", func(t *testing.T) { rgOverflowRound(t, 0) })
 	t.Run("fakeclock/jitter=1", func(t *testing.T) {
 		// A jittered delay overflows only for some draws: ten rounds.
@@ -859,7 +859,7 @@ func rgOverflowRound(t *testing.T, jitter float64) bool {
 // timer on its fake clock. Expected: once the monitor is idle (without
 // WaitIdle) the clock has no waiters.
 func TestRegression12IdleMonitorHoldsNoTimer(t *testing.T) {
-	t.Skip("known defect, fixed by the core rebuild (issue 21): the last call's deadline timer stays armed until WaitIdle")
+
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	clk := testclock.NewFakeClock(time.Now())
 	m := rgNew(t, eventmonitor.HandlerFunc(func(ctx context.Context, event any) error {
@@ -892,7 +892,7 @@ func TestRegression12IdleMonitorHoldsNoTimer(t *testing.T) {
 // costs goroutines before anything is submitted. Expected: New with nothing
 // submitted starts no goroutine. (WithDeferredStart: regress_new_test.go.)
 func TestRegression13IdleNewStartsNoGoroutine(t *testing.T) {
-	t.Skip("known defect, fixed by the core rebuild (issue 21): New starts its workers and scheduler at once")
+
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	before := goleak.IgnoreCurrent()
 	m := rgNew(t, eventmonitor.HandlerFunc(func(ctx context.Context, event any) error { return nil }),
@@ -1006,7 +1006,7 @@ func TestRegression15ConfigMismatchRejected(t *testing.T) {
 // channels still all close on Stop, and 100 000 bare Starts whose channels
 // the caller dropped retain (next to) no memory.
 func TestRegression16BareStartsDoNotAccumulate(t *testing.T) {
-	t.Skip("known defect, fixed by the core rebuild (issue 21): bare Start channels accumulate until Stop")
+
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	m := rgNew(t, eventmonitor.HandlerFunc(func(ctx context.Context, event any) error { return nil }))
 	defer m.Stop()

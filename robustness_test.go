@@ -80,18 +80,18 @@ func TestStuckHandlerDoesNotTakeItsWorker(t *testing.T) {
 	assert.Equal(t, 1, r.maxConc["stuck"])
 	assert.Zero(t, h.m.Stats().Overrunning)
 
-	waitFor(t, func() bool { return h.workers() == 1 }, "the returned call's goroutine leaves: one worker again")
+	waitFor(t, func() bool { return h.workers() == 0 }, "the returned call's goroutine leaves, and the idle worker too")
 }
 
-// workers counts the goroutines Stop would wait for.
+// workers counts the goroutines holding a worker slot.
 func (h *harness) workers() int {
 	h.m.mu.Lock()
 	defer h.m.mu.Unlock()
-	return h.m.busy
+	return h.m.calls.slots
 }
 
 // Past WithMaxOverruns an overrunning call keeps its worker, and says so;
-// once a replaced call returns, its worker takes over the held one's seat.
+// once a replaced call returns, the held one's slot goes to a new worker.
 func TestMaxOverrunsBoundsReplacedWorkers(t *testing.T) {
 	r := newRecorder()
 	h := newHarness(t, r, WithHandleTimeout(time.Second), WithMaxOverruns(1))
@@ -114,15 +114,15 @@ func TestMaxOverrunsBoundsReplacedWorkers(t *testing.T) {
 	assert.Equal(t, 1, s.Queued, "c waits for a worker")
 	assert.Empty(t, r.handledList())
 
-	releaseA() // a's worker takes over b's seat and handles c
+	releaseA() // b's slot goes to a new worker, which handles c
 	waitFor(t, func() bool { return len(r.handledList()) == 2 }, "a and c handled")
 	assert.Equal(t, anys(ev{"a", 1}, ev{"c", 1}), r.handledList())
 	releaseB()
 	waitFor(t, func() bool { return len(r.handledList()) == 3 }, "b handled")
-	waitFor(t, func() bool { return h.workers() == 1 }, "b's worker leaves: one worker left")
+	waitFor(t, func() bool { return h.workers() == 0 }, "every worker leaves once idle")
 	h.m.mu.Lock()
 	defer h.m.mu.Unlock()
-	assert.Zero(t, h.m.replaced)
+	assert.Zero(t, h.m.calls.n, "no call left, replaced or not")
 }
 
 // Two Runs at once would both subscribe and handle every event twice: the

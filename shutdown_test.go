@@ -50,19 +50,22 @@ func TestShutdownDeadlineDropsTheRest(t *testing.T) {
 	done := make(chan error)
 	go func() { done <- h.m.Shutdown(ctx) }()
 	waitFor(t, h.stopping, "Shutdown begins")
-	cancel() // Shutdown gives up draining and Stops: a/1's ctx is cancelled
+	cancel() // Shutdown gives up draining and Stops at once: a/1, ignoring its ctx, is abandoned
 	waitFor(t, func() bool {
 		h.m.mu.Lock()
 		defer h.m.mu.Unlock()
-		return h.m.state == stateStopped
+		return h.m.state == stopped
 	}, "Shutdown gives up and stops")
 	release()
 	err := <-done
 	require.ErrorIs(t, err, context.Canceled)
 	drops := h.drops.all()
-	require.Len(t, drops, 1)
-	assert.Equal(t, anys(ev{"a", 2}), drops[0].Events)
-	assert.ErrorIs(t, drops[0].Reason, ErrStopped)
+	require.Len(t, drops, 2)
+	assert.Equal(t, anys(ev{"a", 1}), drops[0].Events, "abandoned")
+	assert.Equal(t, anys(ev{"a", 2}), drops[1].Events, "queued")
+	for _, d := range drops {
+		assert.ErrorIs(t, d.Reason, ErrStopped)
+	}
 }
 
 func TestShutdownAndStopAreSafeTogether(t *testing.T) {

@@ -32,6 +32,15 @@ func (f SubscriberFunc) Subscribe(ctx context.Context, filters ...string) (<-cha
 	return f(ctx, filters...)
 }
 
+// streamState is stream intake's part of the monitor, guarded by its mu.
+type streamState struct {
+	reading     bool            // a Run or Start's reader is reading a stream
+	subscribed  *subscription   // by Subscribe, for Start
+	lifetime    chan error      // what every bare Start returns; closed by Stop
+	accepting   int             // envelopes read and not yet accepted or dropped
+	ignoredURLs map[string]bool // type URLs ignored so far, for logging once
+}
+
 // subscription is one stream opened on a Subscriber.
 type subscription struct {
 	ch     <-chan *Envelope
@@ -49,8 +58,8 @@ func (m *Monitor) Subscribe(s Subscriber, filters ...string) {
 	ctx, cancel := context.WithCancel(m.intake)
 	ch, errs := s.Subscribe(ctx, filters...)
 	m.mu.Lock()
-	previous := m.subscribed
-	m.subscribed = &subscription{ch: ch, errs: errs, cancel: cancel}
+	previous := m.stream.subscribed
+	m.stream.subscribed = &subscription{ch: ch, errs: errs, cancel: cancel}
 	m.mu.Unlock()
 	if previous != nil {
 		previous.cancel() // never started: nobody would read it
@@ -71,29 +80,32 @@ func (m *Monitor) Subscribe(s Subscriber, filters ...string) {
 // ErrNoConverter for a subscription without WithConverter, and
 // ErrAlreadyRunning while a Run or another Start is reading a stream.
 func (m *Monitor) Start() <-chan error {
-	errCh := make(chan error, 1)
 	m.mu.Lock()
-	sub := m.subscribed
-	m.subscribed = nil
+	sub := m.stream.subscribed
+	m.stream.subscribed = nil
 	var err error
 	switch {
-	case m.state != stateRunning:
+	case m.state == draining || m.state == stopped:
 		err = ErrStopped
 	case sub == nil:
-		m.lifetimes = append(m.lifetimes, errCh)
+		if m.stream.lifetime == nil {
+			m.stream.lifetime = make(chan error)
+		}
 		m.releaseHold()
+		lifetime := m.stream.lifetime
 		m.mu.Unlock()
-		return errCh
+		return lifetime
 	case m.cfg.converter == nil:
 		err = ErrNoConverter
-	case m.reading:
+	case m.stream.reading:
 		err = ErrAlreadyRunning
 	default:
-		m.reading = true
+		m.stream.reading = true
 		m.releaseHold()
-		m.goroutines.Add(1)
+		m.watchers.Add(1)
 	}
 	m.mu.Unlock()
+	errCh := make(chan error, 1)
 	if err != nil {
 		if sub != nil {
 			sub.cancel()
@@ -103,7 +115,7 @@ func (m *Monitor) Start() <-chan error {
 		return errCh
 	}
 	go func() {
-		defer m.goroutines.Done()
+		defer m.watchers.Done()
 		defer close(errCh)
 		_, err := m.consume(m.intake, sub, nil)
 		sub.cancel()
@@ -119,7 +131,7 @@ func (m *Monitor) Start() <-chan error {
 // doneReading lets another Run or Start read a stream.
 func (m *Monitor) doneReading() {
 	m.mu.Lock()
-	m.reading = false
+	m.stream.reading = false
 	m.mu.Unlock()
 }
 
@@ -142,14 +154,14 @@ func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) erro
 	}
 	m.mu.Lock()
 	switch {
-	case m.state != stateRunning:
+	case m.state == draining || m.state == stopped:
 		m.mu.Unlock()
 		return ErrStopped
-	case m.reading:
+	case m.stream.reading:
 		m.mu.Unlock()
 		return ErrAlreadyRunning
 	}
-	m.reading = true
+	m.stream.reading = true
 	m.releaseHold()
 	m.mu.Unlock()
 	defer m.doneReading()
@@ -181,7 +193,11 @@ func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) erro
 		m.mu.Lock()
 		m.stats.Resubscribed++
 		m.mu.Unlock()
-		delay = nextDelay(delay, m.cfg.resubMax)
+		if delay < m.cfg.resubMax/2 {
+			delay *= 2
+		} else {
+			delay = m.cfg.resubMax
+		}
 	}
 	if ctx.Err() == nil {
 		return ErrStopped
@@ -224,11 +240,7 @@ func (m *Monitor) runOnce(ctx context.Context, s Subscriber, filters []string, r
 // or errs was closed without one). established, if not nil, is called once
 // the subscription is established (see runOnce).
 func (m *Monitor) consume(ctx context.Context, sub *subscription, established func()) (delivered bool, err error) {
-	defer context.AfterFunc(ctx, func() { // free intake waiting for room
-		m.mu.Lock()
-		m.progress.Broadcast()
-		m.mu.Unlock()
-	})()
+	defer context.AfterFunc(ctx, m.wakeWaiters)() // intake waiting for room gives up
 	var settled <-chan time.Time
 	if established != nil {
 		timer := m.cfg.clock.NewTimer(m.cfg.resubInitial)
@@ -241,7 +253,6 @@ func (m *Monitor) consume(ctx context.Context, sub *subscription, established fu
 			established, settled = nil, nil
 		}
 	}
-	in := m.newIntake()
 	for {
 		select {
 		case <-ctx.Done():
@@ -253,14 +264,8 @@ func (m *Monitor) consume(ctx context.Context, sub *subscription, established fu
 				return delivered, sub.closedErr()
 			}
 			delivered = true
-			m.intaking.Add(1) // until flush accepted the batch: WaitIdle waits for it
 			establish()
-			in.add(env)
-			open := in.fill(sub.ch)
-			in.flush(ctx)
-			if !open {
-				return delivered, sub.closedErr()
-			}
+			m.take(ctx, env)
 		case err, ok := <-sub.errs:
 			if !ok {
 				return delivered, nil

@@ -1,0 +1,292 @@
+package eventmonitor
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"runtime/debug"
+	"time"
+
+	"github.com/containerd/log"
+
+	"github.com/eventmonitor/eventmonitor/internal/keyq"
+)
+
+// stage is where a handler call is in its life.
+type stage uint8
+
+const (
+	inTime    stage = iota // running, its deadline (if any) still ahead
+	late                   // running past its deadline: its ctx ended
+	overran                // running past its deadline and the grace: stuck
+	settling               // returned; its outcome is settled, being reported
+	abandoned              // Stop gave up on it; its goroutine leaves unseen
+	numStages
+)
+
+// call is one handler call, and the context the handler gets. The context
+// is a standard one (ended with cancel when the call returns, at its
+// deadline or at Stop), so contexts the handler derives from it cost no
+// goroutine; the wrapper only reports the monitor clock's deadline, says
+// DeadlineExceeded once that ended it, and gives log.G the call's key.
+type call struct {
+	context.Context
+	cancel   context.CancelCauseFunc
+	name     string
+	deadline time.Time // zero: none (WithHandleTimeout(0))
+
+	// Guarded by Monitor.mu.
+	key         *keyq.Key[item]
+	it          item
+	start       time.Time
+	replayStart bool // its event is the first of a replay: logged as a retry
+	slot        bool // it holds one of the WithWorkers slots
+	replaced    bool // it overran and gave its slot to a new worker
+	stage       stage
+	prev, next  *call
+}
+
+// Deadline is the monitor clock's start plus the handle timeout.
+func (c *call) Deadline() (time.Time, bool) { return c.deadline, !c.deadline.IsZero() }
+
+func (c *call) Err() error {
+	if err := c.Context.Err(); err != nil && context.Cause(c.Context) == context.DeadlineExceeded {
+		return context.DeadlineExceeded
+	}
+	return c.Context.Err()
+}
+
+// Value answers from the monitor's base context; the logger it carries
+// comes back with the call's key, so log.G(ctx) says which key it handles.
+func (c *call) Value(key any) any {
+	v := c.Context.Value(key)
+	if l, ok := v.(*log.Entry); ok {
+		return l.WithField("key", c.name)
+	}
+	return v
+}
+
+// takeReady starts a call for the first ready key, if the monitor may
+// start one. mu is held.
+func (m *Monitor) takeReady(slot bool) *call {
+	if m.state != running && m.state != draining {
+		return nil
+	}
+	k, it, replayStart := m.keys.Take()
+	if k == nil {
+		return nil
+	}
+	return m.startCall(k, it, replayStart, slot)
+}
+
+// startCall registers a call of it for k, just taken. Calls enter the list
+// in start order, under mu, so the list is in deadline order too. mu is held.
+func (m *Monitor) startCall(k *keyq.Key[item], it item, replayStart, slot bool) *call {
+	c := &call{name: k.Name(), key: k, it: it, replayStart: replayStart, slot: slot,
+		start: m.cfg.clock.Now()}
+	c.Context, c.cancel = context.WithCancelCause(m.base)
+	if m.cfg.handleTimeout > 0 {
+		c.deadline = c.start.Add(m.cfg.handleTimeout)
+	}
+	m.calls.push(c)
+	return c
+}
+
+// work is a worker: it runs c, then the calls its slot takes on, until no
+// key is ready or its slot went to a replacement while its call overran.
+func (m *Monitor) work(c *call) {
+	for c != nil && m.handle(c) {
+		m.mu.Lock()
+		next := (*call)(nil)
+		if c.slot {
+			next = m.takeReady(true) // before remove: the slot passes on, not back
+		}
+		m.calls.remove(c)
+		m.changed()
+		m.mu.Unlock()
+		c = next
+	}
+}
+
+// handle makes call c and settles its outcome. It reports false if Stop
+// abandoned the call meanwhile: the caller must then leave at once.
+func (m *Monitor) handle(c *call) bool {
+	if c.replayStart {
+		m.logRetry(c)
+	}
+	err := m.invoke(c)
+	c.cancel(context.Canceled) // what the handler started with ctx stops
+	end := m.cfg.clock.Now()
+	if mt := m.cfg.metrics; mt != nil {
+		mt.HandlerDone(end.Sub(c.start), err)
+		if err == nil && c.it.attempts > 0 {
+			mt.Recovered(end.Sub(c.it.firstFailure))
+		}
+	}
+	m.mu.Lock()
+	if c.stage == abandoned {
+		m.mu.Unlock()
+		return false
+	}
+	wasOverrun := c.stage == overran
+	drop, delay := m.settle(c, err, end)
+	m.calls.setStage(c, settling)
+	m.changed()
+	m.mu.Unlock()
+	m.report(c, err, drop, delay, wasOverrun, end)
+	return true
+}
+
+// invoke calls the handler, turning a panic into ErrHandlerPanic.
+func (m *Monitor) invoke(c *call) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("%w: %v", ErrHandlerPanic, r)
+			m.cfg.logger.WithFields(log.Fields{"key": c.name, "stack": string(debug.Stack())}).
+				WithError(err).Error("event handler panicked")
+		}
+	}()
+	return m.handler.HandleEvent(c, c.it.event)
+}
+
+// settle records a returned call's outcome: handled, ignored (the handler
+// has no route for it), given up on, or back to the head of its key's
+// queue to wait. It returns the drop to hand over, if any, or the delay the
+// event now waits. mu is held.
+func (m *Monitor) settle(c *call, err error, end time.Time) (*Drop, time.Duration) {
+	switch {
+	case err == nil:
+		m.stats.Handled++
+		m.keys.Done(c.key, true)
+		return nil, 0
+	case errors.Is(err, ErrUnsupportedEvent):
+		m.stats.Ignored++
+		m.keys.Done(c.key, true)
+		return nil, 0
+	}
+	m.stats.Failed++
+	it := c.it
+	if it.attempts == 0 {
+		it.firstFailure = end
+	}
+	it.attempts++
+	it.lastErr = err
+	c.it = it // for the report
+	var reason error
+	switch {
+	case m.state != running && m.state != held:
+		reason = fmt.Errorf("%w: failed while shutting down: %w", ErrStopped, err)
+	case m.cfg.maxAttempts > 0 && it.attempts >= m.cfg.maxAttempts:
+		reason = fmt.Errorf("%w (%d): %w", ErrMaxAttempts, it.attempts, err)
+	default:
+		m.keys.Failed(c.key, it, end)
+		return nil, c.key.Delay()
+	}
+	m.keys.Done(c.key, false)
+	d := m.drop(c.name, []any{it.event}, reason)
+	d.Topic, d.Namespace = it.topic, it.namespace
+	return &d, 0
+}
+
+// report logs a returned call's overrun or failure and hands its drop
+// over. A key in backoff makes at most one call per delay, so a failing key
+// cannot flood the log.
+func (m *Monitor) report(c *call, err error, drop *Drop, delay time.Duration, wasOverrun bool, end time.Time) {
+	if !wasOverrun && err == nil {
+		return
+	}
+	entry := m.cfg.logger.WithFields(itemFields(c.name, c.it))
+	if wasOverrun {
+		entry.WithField("ran", end.Sub(c.start)).Warn("event handler returned after its deadline")
+	}
+	switch {
+	case drop != nil:
+		entry.WithError(err).Warn("giving up on event")
+		m.emit(*drop)
+	case err != nil && !errors.Is(err, ErrUnsupportedEvent):
+		entry.WithError(err).WithField("delay", delay).Error("event handling failed; backing off")
+	}
+}
+
+// logRetry logs the start of a replay, from the goroutine about to make its
+// first call, so that the line comes before that call's outcome.
+func (m *Monitor) logRetry(c *call) {
+	m.mu.Lock()
+	fields := itemFields(c.name, c.it)
+	fields["attempt"] = c.it.attempts + 1
+	fields["events"], fields["delay"] = c.key.Len()+1, c.key.Delay()
+	m.mu.Unlock()
+	entry := m.cfg.logger.WithFields(fields)
+	if c.it.lastErr != nil {
+		// Not "error": this line announces a retry; the failure is the one
+		// that put the key in backoff.
+		entry = entry.WithField("previous_error", c.it.lastErr.Error())
+	}
+	entry.Info("retrying backed-off events")
+}
+
+func itemFields(key string, it item) log.Fields {
+	fields := log.Fields{"key": key, "attempt": it.attempts}
+	if it.topic != "" || it.namespace != "" {
+		fields["topic"], fields["namespace"] = it.topic, it.namespace
+	}
+	return fields
+}
+
+// callList is the calls in progress or being settled, in start order, with
+// how many are in each stage and how many hold a worker slot.
+type callList struct {
+	head, tail *call
+	n, slots   int
+	stages     [numStages]int
+}
+
+func (l *callList) push(c *call) {
+	c.prev, c.next = l.tail, nil
+	if l.tail == nil {
+		l.head = c
+	} else {
+		l.tail.next = c
+	}
+	l.tail = c
+	l.n++
+	l.stages[c.stage]++
+	if c.slot {
+		l.slots++
+	}
+}
+
+func (l *callList) remove(c *call) {
+	if c.prev == nil {
+		l.head = c.next
+	} else {
+		c.prev.next = c.next
+	}
+	if c.next == nil {
+		l.tail = c.prev
+	} else {
+		c.next.prev = c.prev
+	}
+	c.prev, c.next = nil, nil
+	l.n--
+	l.stages[c.stage]--
+	l.freeSlot(c)
+}
+
+func (l *callList) setStage(c *call, s stage) {
+	l.stages[c.stage]--
+	c.stage = s
+	l.stages[s]++
+}
+
+// freeSlot gives c's worker slot back: at its end, or when it overran and
+// another worker takes its place.
+func (l *callList) freeSlot(c *call) {
+	if c.slot {
+		c.slot = false
+		l.slots--
+	}
+}
+
+// inFlight is the calls whose event is not settled yet.
+func (l *callList) inFlight() int { return l.stages[inTime] + l.stages[late] + l.stages[overran] }
