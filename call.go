@@ -92,49 +92,54 @@ func (m *Monitor) startCall(k *keyq.Key[item], it item, replayStart, slot bool) 
 	return c
 }
 
-// work is a worker: it runs c, then the calls its slot takes on, until no
-// key is ready or its slot went to a replacement while its call overran.
+// work is a worker: it makes call c, then the calls its slot takes on,
+// until no key is ready or its slot went to a new worker while its call
+// overran.
 func (m *Monitor) work(c *call) {
-	for c != nil && m.handle(c) {
-		m.mu.Lock()
-		next := (*call)(nil)
-		if c.slot {
-			next = m.takeReady(true) // before remove: the slot passes on, not back
-		}
-		m.calls.remove(c)
-		m.changed()
-		m.mu.Unlock()
-		c = next
+	for c != nil {
+		c = m.handle(c)
 	}
 }
 
-// handle makes call c and settles its outcome. It reports false if Stop
-// abandoned the call meanwhile: the caller must then leave at once.
-func (m *Monitor) handle(c *call) bool {
+// handle makes call c, settles its outcome and reports it. For a call that
+// holds a worker slot it then returns the next call the slot takes on,
+// taken under the same lock as the settling.
+func (m *Monitor) handle(c *call) (next *call) {
 	if c.replayStart {
 		m.logRetry(c)
 	}
 	err := m.invoke(c)
 	c.cancel(context.Canceled) // what the handler started with ctx stops
-	end := m.cfg.clock.Now()
+	var end time.Time
+	if err != nil || m.cfg.metrics != nil {
+		end = m.cfg.clock.Now()
+	}
 	if mt := m.cfg.metrics; mt != nil {
 		mt.HandlerDone(end.Sub(c.start), err)
-		if err == nil && c.it.attempts > 0 {
-			mt.Recovered(end.Sub(c.it.firstFailure))
+		if err == nil && c.it.failures != nil {
+			mt.Recovered(end.Sub(c.it.failures.first))
 		}
 	}
 	m.mu.Lock()
+	defer m.mu.Unlock()
 	if c.stage == abandoned {
-		m.mu.Unlock()
-		return false
+		return nil // Stop gave up on it and accounted for it
 	}
 	wasOverrun := c.stage == overran
 	drop, delay := m.settle(c, err, end)
-	m.calls.setStage(c, settling)
+	if wasOverrun || err != nil {
+		m.calls.setStage(c, settling) // WaitIdle and Stop wait for the report
+		m.changed()
+		m.mu.Unlock()
+		m.report(c, err, drop, delay, wasOverrun)
+		m.mu.Lock()
+	}
+	if c.slot {
+		next = m.takeReady(true) // before remove: the slot passes on, not back
+	}
+	m.calls.remove(c)
 	m.changed()
-	m.mu.Unlock()
-	m.report(c, err, drop, delay, wasOverrun, end)
-	return true
+	return next
 }
 
 // invoke calls the handler, turning a panic into ErrHandlerPanic.
@@ -166,18 +171,17 @@ func (m *Monitor) settle(c *call, err error, end time.Time) (*Drop, time.Duratio
 	}
 	m.stats.Failed++
 	it := c.it
-	if it.attempts == 0 {
-		it.firstFailure = end
+	if it.failures == nil {
+		it.failures = &failures{first: end}
 	}
-	it.attempts++
-	it.lastErr = err
-	c.it = it // for the report
+	it.failures.attempts++
+	it.failures.last = err
 	var reason error
 	switch {
 	case m.state != running && m.state != held:
 		reason = fmt.Errorf("%w: failed while shutting down: %w", ErrStopped, err)
-	case m.cfg.maxAttempts > 0 && it.attempts >= m.cfg.maxAttempts:
-		reason = fmt.Errorf("%w (%d): %w", ErrMaxAttempts, it.attempts, err)
+	case m.cfg.maxAttempts > 0 && it.attempts() >= m.cfg.maxAttempts:
+		reason = fmt.Errorf("%w (%d): %w", ErrMaxAttempts, it.attempts(), err)
 	default:
 		m.keys.Failed(c.key, it, end)
 		return nil, c.key.Delay()
@@ -191,13 +195,10 @@ func (m *Monitor) settle(c *call, err error, end time.Time) (*Drop, time.Duratio
 // report logs a returned call's overrun or failure and hands its drop
 // over. A key in backoff makes at most one call per delay, so a failing key
 // cannot flood the log.
-func (m *Monitor) report(c *call, err error, drop *Drop, delay time.Duration, wasOverrun bool, end time.Time) {
-	if !wasOverrun && err == nil {
-		return
-	}
+func (m *Monitor) report(c *call, err error, drop *Drop, delay time.Duration, wasOverrun bool) {
 	entry := m.cfg.logger.WithFields(itemFields(c.name, c.it))
 	if wasOverrun {
-		entry.WithField("ran", end.Sub(c.start)).Warn("event handler returned after its deadline")
+		entry.WithField("ran", m.cfg.clock.Since(c.start)).Warn("event handler returned after its deadline")
 	}
 	switch {
 	case drop != nil:
@@ -213,20 +214,20 @@ func (m *Monitor) report(c *call, err error, drop *Drop, delay time.Duration, wa
 func (m *Monitor) logRetry(c *call) {
 	m.mu.Lock()
 	fields := itemFields(c.name, c.it)
-	fields["attempt"] = c.it.attempts + 1
+	fields["attempt"] = c.it.attempts() + 1
 	fields["events"], fields["delay"] = c.key.Len()+1, c.key.Delay()
 	m.mu.Unlock()
 	entry := m.cfg.logger.WithFields(fields)
-	if c.it.lastErr != nil {
+	if f := c.it.failures; f != nil {
 		// Not "error": this line announces a retry; the failure is the one
 		// that put the key in backoff.
-		entry = entry.WithField("previous_error", c.it.lastErr.Error())
+		entry = entry.WithField("previous_error", f.last.Error())
 	}
 	entry.Info("retrying backed-off events")
 }
 
 func itemFields(key string, it item) log.Fields {
-	fields := log.Fields{"key": key, "attempt": it.attempts}
+	fields := log.Fields{"key": key, "attempt": it.attempts()}
 	if it.topic != "" || it.namespace != "" {
 		fields["topic"], fields["namespace"] = it.topic, it.namespace
 	}

@@ -1,8 +1,6 @@
 package eventmonitor
 
 import (
-	"fmt"
-	"sync"
 	"testing"
 
 	"github.com/containerd/typeurl/v2"
@@ -81,85 +79,23 @@ func TestLaterTypeKeyWins(t *testing.T) {
 	assert.Equal(t, "second", key)
 }
 
-// learnedURLs is what conv decodes without asking typeurl.
-func learnedURLs(conv Converter) map[string]directDecoder {
-	return *conv.(*typeConverter).learned.Load()
-}
-
-func TestConverterLearnsProtobufURLs(t *testing.T) {
-	conv := NewConverter(KeyOf(func(v *wrapperspb.StringValue) string { return v.GetValue() }))
-	p := payload(t, wrapperspb.String("c1"))
-	var events []any
-	for range 3 { // through typeurl, then directly: the same result
-		key, event, err := conv.Convert(p)
-		require.NoError(t, err)
-		assert.Equal(t, "c1", key)
-		assert.True(t, proto.Equal(wrapperspb.String("c1"), event.(proto.Message)))
-		assert.NotNil(t, learnedURLs(conv)[p.GetTypeUrl()].message, "decoded directly from now on")
-		events = append(events, event)
-	}
-	assert.NotSame(t, events[1], events[2], "every payload gets its own message")
-}
-
-func TestConverterDecodeErrorIsTheSameLearnedOrNot(t *testing.T) {
-	conv := NewConverter(KeyOf(func(v *wrapperspb.StringValue) string { return v.GetValue() }))
-	valid := payload(t, wrapperspb.String("c1"))
-	truncated := &anypb.Any{TypeUrl: valid.GetTypeUrl(), Value: []byte{0x0a, 0x05, 'a'}}
-	_, _, before := conv.Convert(truncated)
-	_, _, err := conv.Convert(valid)
+func TestConverterDecodesProtobufAndJSON(t *testing.T) {
+	conv := NewConverter(KeyOf(func(v *wrapperspb.StringValue) string { return v.GetValue() }),
+		KeyOf(func(v *jsonEvent) string { return v.ID }))
+	key, event, err := conv.Convert(payload(t, wrapperspb.String("c1")))
 	require.NoError(t, err)
-	require.NotNil(t, learnedURLs(conv)[truncated.TypeUrl].message)
-	key, event, after := conv.Convert(truncated)
-	require.ErrorIs(t, after, ErrDecode)
-	assert.Equal(t, before.Error(), after.Error())
+	assert.Equal(t, "c1", key)
+	assert.True(t, proto.Equal(wrapperspb.String("c1"), event.(proto.Message)))
+	key, event, err = conv.Convert(payload(t, &jsonEvent{ID: "c2", Code: 3}))
+	require.NoError(t, err)
+	assert.Equal(t, "c2", key)
+	assert.Equal(t, &jsonEvent{ID: "c2", Code: 3}, event)
+
+	truncated := &anypb.Any{TypeUrl: payload(t, wrapperspb.String("x")).GetTypeUrl(), Value: []byte{0x0a, 0x05, 'a'}}
+	key, event, err = conv.Convert(truncated)
+	require.ErrorIs(t, err, ErrDecode)
 	assert.Empty(t, key)
 	assert.Nil(t, event)
-}
-
-func TestConverterLeavesJSONAndUnkeyedTypesToTypeurl(t *testing.T) {
-	conv := NewConverter(KeyOf(func(v *jsonEvent) string { return v.ID }))
-	p := payload(t, &jsonEvent{ID: "c2", Code: 3})
-	for range 2 {
-		key, event, err := conv.Convert(p)
-		require.NoError(t, err)
-		assert.Equal(t, "c2", key)
-		assert.Equal(t, &jsonEvent{ID: "c2", Code: 3}, event)
-	}
-	assert.Equal(t, map[string]directDecoder{p.GetTypeUrl(): {}}, learnedURLs(conv), "remembered as typeurl's to decode")
-	_, _, err := conv.Convert(payload(t, wrapperspb.String("unkeyed")))
-	require.ErrorIs(t, err, ErrUnsupportedEvent)
-	assert.Len(t, learnedURLs(conv), 1, "a type without a key is not remembered")
-}
-
-// typeurl resolves a URL by the name after its last "/", so one type has
-// endless URLs: the converter learns a bounded number of them.
-func TestConverterLearnsBoundedURLs(t *testing.T) {
-	conv := NewConverter(KeyOf(func(v *wrapperspb.StringValue) string { return v.GetValue() }))
-	value := payload(t, wrapperspb.String("c1")).GetValue()
-	for i := range maxLearnedURLs + 10 {
-		key, _, err := conv.Convert(&anypb.Any{TypeUrl: fmt.Sprintf("example.com/%d/google.protobuf.StringValue", i), Value: value})
-		require.NoError(t, err)
-		require.Equal(t, "c1", key)
-	}
-	assert.Len(t, learnedURLs(conv), maxLearnedURLs)
-}
-
-func TestConverterLearnsWhileConverting(t *testing.T) {
-	conv := NewConverter(KeyOf(func(v *wrapperspb.StringValue) string { return v.GetValue() }))
-	value := payload(t, wrapperspb.String("c1")).GetValue()
-	var wg sync.WaitGroup
-	for g := range 4 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := range 50 {
-				url := fmt.Sprintf("example.com/%d/google.protobuf.StringValue", (g+i)%20)
-				key, _, err := conv.Convert(&anypb.Any{TypeUrl: url, Value: value})
-				assert.NoError(t, err)
-				assert.Equal(t, "c1", key)
-			}
-		}()
-	}
-	wg.Wait()
-	assert.Len(t, learnedURLs(conv), 20)
+	_, _, err = conv.Convert(payload(t, wrapperspb.Int64(1)))
+	require.ErrorIs(t, err, ErrUnsupportedEvent, "a type without a key")
 }

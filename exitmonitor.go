@@ -152,10 +152,7 @@ func (m *Monitor) handleExit(key string, build func() any) {
 	m.changed()
 	m.mu.Unlock()
 	m.watchers.Done()
-	if c != nil && m.handle(c) {
-		m.mu.Lock()
-		m.calls.remove(c)
-		m.changed()
-		m.mu.Unlock()
+	if c != nil {
+		m.handle(c) // holds no slot: takes nothing on
 	}
 }

@@ -61,13 +61,25 @@ type Monitor struct {
 	stopped   chan struct{} // closed when Stop is done
 }
 
-// item is one accepted event in its key's queue.
+// item is one accepted event in its key's queue. Queues hold many: what
+// only a failed event needs is behind a pointer.
 type item struct {
 	event            any
-	topic, namespace string // the envelope's; "" for Submit, Backoff and WatchExit
-	attempts         int    // failed handler calls so far
-	firstFailure     time.Time
-	lastErr          error
+	topic, namespace string    // the envelope's; "" for Submit, Backoff and WatchExit
+	failures         *failures // nil until the event fails
+}
+
+type failures struct {
+	attempts int // failed handler calls so far
+	first    time.Time
+	last     error
+}
+
+func (it item) attempts() int {
+	if it.failures == nil {
+		return 0
+	}
+	return it.failures.attempts
 }
 
 // New returns a Monitor that hands events to h. It starts no goroutine until
@@ -231,7 +243,7 @@ func (m *Monitor) Pending() []Pending {
 			p.Events = append(p.Events, it.event)
 		}
 		if items := k.Items(); len(items) > 0 {
-			p.Attempts = items[0].attempts
+			p.Attempts = items[0].attempts()
 		}
 		out = append(out, p)
 	})
