@@ -170,12 +170,12 @@ func (m *Monitor) settle(c *call, err error, end time.Time) (*Drop, time.Duratio
 		return nil, 0
 	}
 	m.stats.Failed++
-	it := c.it
-	if it.failures == nil {
-		it.failures = &failures{first: end}
+	if c.it.failures == nil {
+		c.it.failures = &failures{first: end}
 	}
-	it.failures.attempts++
-	it.failures.last = err
+	c.it.failures.attempts++
+	c.it.failures.last = err
+	it := c.it
 	var reason error
 	switch {
 	case m.state != running && m.state != held:

@@ -11,18 +11,24 @@
 //   - One path per key: no two handler calls for a key ever overlap, not even
 //     when a call overruns its timeout; the key stays held until it returns.
 //   - Parallel and fair: with WithWorkers(n), up to n keys are handled at
-//     once, taking turns of at most 32 events while other keys wait, so a
-//     slow or busy key never holds up another for long, and not at all
-//     while a worker is free.
+//     once, taking turns one event at a time, so a slow or busy key never
+//     holds up another for long, and not at all while a worker is free.
 //   - Exact backoff: a failed event waits in its key's queue; the queue
 //     replays when due, doubling its delay after every failed replay up to a
 //     cap and resetting once the replay succeeds. Due times sit in a heap
 //     behind one clock timer: no periodic scan, no idle cost, no lateness.
 //   - Nothing vanishes: every accepted event is handled, is still queued
 //     (Stats, Pending), was returned by Forget, or reaches the drop handler
-//     with a reason. Stop and Shutdown hand over what is left.
+//     with a reason. Stop and Shutdown hand over what is left, and return
+//     about one handle timeout after the drain whatever handlers do.
 //   - Clock-driven: every delay, deadline and timestamp comes from the
 //     configured clock, so tests with a fake clock control retries exactly.
+//
+// Where each guarantee lives: the order, the phases and the backoff rules in
+// internal/keyq; one goroutine per key in keyq's Running phase, which only a
+// call's start and end change (call.go); the accounting in Stats, derived
+// from keyq and the call list; the timing in scheduler.go; stopping in
+// stop.go.
 //
 // The entry points mirror containerd's CRI event monitor (Subscribe, Start,
 // Stop, Backoff) so it can be swapped in, and add Run (re-subscription with
