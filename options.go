@@ -93,31 +93,19 @@ func WithJitter(fraction float64) Option { return func(c *config) { c.jitter = f
 // serial as in containerd.
 func WithWorkers(n int) Option { return func(c *config) { c.workers = n } }
 
-// WithHandleTimeout sets the deadline on every handler call's context
-// (default DefaultHandleTimeout). 0 sets none: a call's context then ends
-// only when the call returns or the monitor stops, the monitor reads no
-// clock for a call that succeeds (unless WithMetrics wants durations), and
-// nothing overruns, so no worker is replaced and Stop and Shutdown wait for
-// every call to return, however long. Use it when handlers enforce their
-// own timeouts.
-//
-// At the deadline the call's ctx ends. A call still running a grace of
-// min(1 s, d/10) later overruns (a handler that ignores its ctx, say a hung
-// shim call; the grace spares a handler whose own timeout, started a moment
-// after the monitor's, ends just past it): it is logged, and keeps its key
-// held until it really returns: nothing
-// else of that key runs beside it. Its worker does not stay with it: a new
-// worker takes its place, so the other keys keep moving (see
-// WithMaxOverruns). When the call returns, its outcome is settled as usual.
+// WithHandleTimeout sets the deadline of every handler call's context, the
+// call's start on the monitor's clock plus d (default DefaultHandleTimeout).
+// A call still running a grace of min(1 s, d/10) past it overruns (a handler
+// ignoring its ctx, say a hung shim call): it is logged and keeps its key
+// held until it really returns, but a new worker takes its place (see
+// WithMaxOverruns), and Stop abandons it. 0 sets no deadline, for handlers
+// that enforce their own: nothing overruns, and Stop waits for every call.
 func WithHandleTimeout(d time.Duration) Option { return func(c *config) { c.handleTimeout = d } }
 
-// WithMaxOverruns bounds how many handler calls past their timeout may have
-// their worker replaced at once (default DefaultMaxOverruns). A stuck call
-// costs a goroutine until it returns; the bound keeps a handler that hangs
-// on every call from growing goroutines without end. Past it, an overrunning
-// call keeps its worker (logged at error level): with every worker held,
-// handling waits until a call returns. Stats().Overrunning counts the calls
-// past their timeout. 0 never replaces a worker.
+// WithMaxOverruns bounds how many overrunning calls may have their worker
+// replaced at once (default DefaultMaxOverruns): each costs a goroutine
+// until it returns. Past it, an overrunning call keeps its worker (logged at
+// error level). 0 never replaces a worker.
 func WithMaxOverruns(n int) Option { return func(c *config) { c.maxOverruns = n } }
 
 // WithMaxAttempts gives up on an event after n failed handler calls and hands
@@ -131,8 +119,7 @@ func WithMaxQueuedPerKey(n int) Option { return func(c *config) { c.maxQueuedPer
 
 // WithIntakeLimit sets the backpressure bound of stream intake: while n
 // accepted events wait for a worker, the monitor stops reading its stream, so
-// a flood is held by the runtime, not in our memory (beyond the one batch of
-// at most 128 envelopes a stream's intake has read). Submit is never blocked.
+// a flood is held by the runtime, not in our memory. Submit is never blocked.
 func WithIntakeLimit(n int) Option { return func(c *config) { c.intakeLimit = n } }
 
 // WithDropHandler receives every event the monitor gives up on, with the

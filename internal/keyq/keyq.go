@@ -304,7 +304,14 @@ func doubled(d, limit time.Duration) time.Duration {
 func (s *Set[T]) dueAfter(now time.Time, d time.Duration) time.Time {
 	if j := s.delays.Jitter; j > 0 {
 		spread := float64(d) * (1 + j*(2*s.delays.Rand()-1))
-		d = time.Duration(max(1, min(spread, math.MaxInt64/2)))
+		switch {
+		case spread >= math.MaxInt64: // float64(MaxInt64) is 2^63: not a Duration
+			d = math.MaxInt64
+		case spread < 1:
+			d = 1
+		default:
+			d = time.Duration(spread)
+		}
 	}
 	return now.Add(d)
 }
