@@ -83,11 +83,7 @@ func (m *Monitor) Start() <-chan error {
 	m.mu.Lock()
 	sub := m.stream.subscribed
 	m.stream.subscribed = nil
-	var err error
-	switch {
-	case m.state == draining || m.state == stopped:
-		err = ErrStopped
-	case sub == nil:
+	if sub == nil && (m.state == held || m.state == running) {
 		if m.stream.lifetime == nil {
 			m.stream.lifetime = make(chan error)
 		}
@@ -95,13 +91,9 @@ func (m *Monitor) Start() <-chan error {
 		lifetime := m.stream.lifetime
 		m.mu.Unlock()
 		return lifetime
-	case m.cfg.converter == nil:
-		err = ErrNoConverter
-	case m.stream.reading:
-		err = ErrAlreadyRunning
-	default:
-		m.stream.reading = true
-		m.releaseHold()
+	}
+	err := m.beginReading()
+	if err == nil {
 		m.watchers.Add(1)
 	}
 	m.mu.Unlock()
@@ -128,6 +120,22 @@ func (m *Monitor) Start() <-chan error {
 	return errCh
 }
 
+// beginReading takes the one stream reader's place, for a Run or Start.
+// mu is held.
+func (m *Monitor) beginReading() error {
+	switch {
+	case m.state == draining || m.state == stopped:
+		return ErrStopped
+	case m.cfg.converter == nil:
+		return ErrNoConverter
+	case m.stream.reading:
+		return ErrAlreadyRunning
+	}
+	m.stream.reading = true
+	m.releaseHold()
+	return nil
+}
+
 // doneReading lets another Run or Start read a stream.
 func (m *Monitor) doneReading() {
 	m.mu.Lock()
@@ -149,21 +157,12 @@ func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) erro
 	if s == nil {
 		return fmt.Errorf("%w: Run needs a subscriber", ErrInvalidOption)
 	}
-	if m.cfg.converter == nil {
-		return ErrNoConverter
-	}
 	m.mu.Lock()
-	switch {
-	case m.state == draining || m.state == stopped:
-		m.mu.Unlock()
-		return ErrStopped
-	case m.stream.reading:
-		m.mu.Unlock()
-		return ErrAlreadyRunning
-	}
-	m.stream.reading = true
-	m.releaseHold()
+	err := m.beginReading()
 	m.mu.Unlock()
+	if err != nil {
+		return err
+	}
 	defer m.doneReading()
 
 	runCtx, cancel := context.WithCancel(ctx)
@@ -193,9 +192,7 @@ func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) erro
 		m.mu.Lock()
 		m.stats.Resubscribed++
 		m.mu.Unlock()
-		if delay < m.cfg.resubMax/2 {
-			delay *= 2
-		} else {
+		if delay = 2 * delay; delay > m.cfg.resubMax || delay <= 0 { // <= 0: overflow
 			delay = m.cfg.resubMax
 		}
 	}
