@@ -207,8 +207,9 @@ func (m *Monitor) InBackoff(key string) bool {
 
 // Forget removes every event of key that has not started handling (in
 // backoff or waiting for a worker) and returns them in order; the caller now
-// owns them. A call in progress for key is not affected. Use it when the
-// object behind the key is gone.
+// owns them. A call in progress for key is not affected (if it fails, its
+// event waits in backoff as any failed event does). Use it when the object
+// behind the key is gone.
 func (m *Monitor) Forget(key string) []any {
 	m.mu.Lock()
 	defer m.mu.Unlock()

@@ -16,10 +16,10 @@
 //
 // Backoff: a failed event goes back to the head of its key's queue and the
 // key waits. When due, every event then queued is the replay, handled in
-// order; once all of them are handled the key leaves backoff. A replay that
-// fails on its first event doubles the delay (up to the cap); any other
-// failure waits the initial delay, so a key with independent failures keeps
-// moving.
+// order; once all of them are done with the key leaves backoff. A replay
+// that fails before handling any of its events doubles the delay (up to the
+// cap); any other failure waits the initial delay, so a key with
+// independent failures keeps moving.
 package keyq
 
 import (
