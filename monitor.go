@@ -4,8 +4,6 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
-	"slices"
-	"strings"
 	"sync"
 	"time"
 
@@ -222,36 +220,6 @@ func (m *Monitor) Forget(key string) []any {
 	return events
 }
 
-// Pending is one key's backoff queue as Pending() saw it.
-type Pending struct {
-	Key      string
-	Events   []any     // in the order they will be handled
-	Attempts int       // failed handler calls of the event at the head
-	Due      time.Time // when the queue replays (in the past while replaying)
-}
-
-// Pending returns a snapshot of every backoff queue, sorted by key.
-func (m *Monitor) Pending() []Pending {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	var out []Pending
-	m.keys.Keys(func(k *keyq.Key[item]) {
-		if !k.InBackoff() {
-			return
-		}
-		p := Pending{Key: k.Name(), Due: k.Due()}
-		for _, it := range k.Items() {
-			p.Events = append(p.Events, it.event)
-		}
-		if items := k.Items(); len(items) > 0 {
-			p.Attempts = items[0].attempts()
-		}
-		out = append(out, p)
-	})
-	slices.SortFunc(out, func(a, b Pending) int { return strings.Compare(a.Key, b.Key) })
-	return out
-}
-
 // NextRetry returns when the next backoff replay is due, and false if no
 // key is waiting in backoff.
 func (m *Monitor) NextRetry() (time.Time, bool) {
@@ -274,15 +242,10 @@ func (m *Monitor) NextRetry() (time.Time, bool) {
 // its events queued.
 //
 // It is the sync point of tests on a fake clock: Submit, WaitIdle, then step
-// the clock to NextRetry and WaitIdle again, with no sleep and no race (the
-// eventmonitortest package wraps these steps). Events count as given once
-// Submit or Backoff returned, once WatchExit's channel closed, or once the
-// stream reader took them from the subscription's channel; an envelope a
-// test sends on an unbuffered channel is taken when the send returns, but
-// WaitIdle may run in the instant before the reader notes it, so tests of
-// stream intake should also wait for Stats().Received (or use
-// testing/synctest, which sees every goroutine).
-//
+// the clock to NextRetry and WaitIdle again, with no sleep and no race (see
+// package eventmonitortest). An envelope sent on a subscription's channel
+// may be taken an instant before the reader notes it: tests of stream
+// intake should also wait for Stats().Received (or use testing/synctest).
 // A call that overruns its timeout keeps the monitor busy until it returns.
 func (m *Monitor) WaitIdle(ctx context.Context) error {
 	defer context.AfterFunc(ctx, m.wakeWaiters)()
@@ -329,39 +292,3 @@ func (m *Monitor) wakeWaiters() {
 	m.mu.Unlock()
 }
 
-// Stats holds the monitor's counters and gauges.
-//
-// Every event accepted is counted once in Received and ends in exactly one
-// of Handled, Ignored, Dropped, Forgotten, or the gauges Queued,
-// EventsInBackoff and InFlight; envelopes of other namespaces are Received
-// and Filtered:
-//
-//	Received = Filtered + Ignored + Handled + Dropped + Forgotten + Queued + EventsInBackoff + InFlight
-type Stats struct {
-	// Received: every envelope read and every accepted Submit or Backoff;
-	// Filtered: envelopes of other namespaces; Ignored: envelopes whose type
-	// the converter does not key and events the handler returned
-	// ErrUnsupportedEvent for (a Mux with no route for the type), which are
-	// not ours to handle and so not drops; Handled: successful handler
-	// calls; Failed: failed ones (panics too); Retried: backoff replays
-	// started; Dropped: events handed to the drop handler; Forgotten: events
-	// returned by Forget; Resubscribed: Run's re-subscriptions.
-	Received, Filtered, Ignored, Handled, Failed, Retried, Dropped, Forgotten, Resubscribed uint64
-	// InFlight: handler calls running, Overrunning among them; Overrunning:
-	// calls past their handle timeout that have not returned (each holds its
-	// key; see WithMaxOverruns); Queued: events waiting for a worker;
-	// KeysInBackoff, EventsInBackoff: keys and events waiting or replaying.
-	InFlight, Overrunning, Queued, KeysInBackoff, EventsInBackoff int
-}
-
-// Stats returns a consistent snapshot of the counters and gauges.
-func (m *Monitor) Stats() Stats {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	s := m.stats
-	s.InFlight = m.calls.inFlight()
-	s.Overrunning = m.calls.stages[overran]
-	s.Queued = m.keys.Queued()
-	s.KeysInBackoff, s.EventsInBackoff = m.keys.InBackoff()
-	return s
-}
