@@ -291,4 +291,3 @@ func (m *Monitor) wakeWaiters() {
 	m.cond.Broadcast()
 	m.mu.Unlock()
 }
-
