@@ -133,6 +133,9 @@ func (m *Monitor) handle(c *call) (next *call) {
 		m.mu.Unlock()
 		m.report(c, err, drop, delay, wasOverrun)
 		m.mu.Lock()
+		if drop != nil {
+			m.keys.Done(c.key, false) // the key's next event starts after its drop is reported
+		}
 	}
 	if c.slot {
 		next = m.takeReady(true) // before remove: the slot passes on, not back
@@ -170,11 +173,13 @@ func (m *Monitor) settle(c *call, err error, end time.Time) (*Drop, time.Duratio
 		return nil, 0
 	}
 	m.stats.Failed++
-	if c.it.failures == nil {
-		c.it.failures = &failures{first: end}
+	// A new record: the old one may be read, without the lock, by the report
+	// of the call that made it.
+	f := failures{first: end, attempts: 1, last: err}
+	if old := c.it.failures; old != nil {
+		f.first, f.attempts = old.first, old.attempts+1
 	}
-	c.it.failures.attempts++
-	c.it.failures.last = err
+	c.it.failures = &f
 	it := c.it
 	var reason error
 	switch {
@@ -186,8 +191,8 @@ func (m *Monitor) settle(c *call, err error, end time.Time) (*Drop, time.Duratio
 		m.keys.Failed(c.key, it, end)
 		return nil, c.key.Delay()
 	}
-	m.keys.Done(c.key, false)
-	d := m.drop(c.name, []any{it.event}, reason)
+	d := m.drop(c.name, []any{it.event}, reason) // the key is released once it is reported
+
 	d.Topic, d.Namespace = it.topic, it.namespace
 	return &d, 0
 }

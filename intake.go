@@ -24,6 +24,10 @@ func (m *Monitor) take(ctx context.Context, env *Envelope) {
 	m.stream.accepting++ // WaitIdle waits for it
 	m.mu.Unlock()
 	key, event, err := m.convert(env)
+	var url string
+	if errors.Is(err, ErrUnsupportedEvent) {
+		url = env.Event.GetTypeUrl() // the payload's code, not to be called under the lock
+	}
 
 	m.mu.Lock()
 	var drop *Drop
@@ -35,7 +39,7 @@ func (m *Monitor) take(ctx context.Context, env *Envelope) {
 	case errors.Is(err, ErrUnsupportedEvent):
 		m.stats.Received++
 		m.stats.Ignored++
-		firstIgnored = m.firstIgnored(env.Event.GetTypeUrl())
+		firstIgnored = m.firstIgnored(url)
 	default:
 		for err == nil && (m.state == held || m.state == running) && ctx.Err() == nil &&
 			m.keys.Queued() >= m.cfg.intakeLimit {
@@ -54,7 +58,7 @@ func (m *Monitor) take(ctx context.Context, env *Envelope) {
 	}
 	if drop != nil || firstIgnored {
 		m.mu.Unlock()
-		m.reportEnvelope(env, key, err, drop)
+		m.reportEnvelope(env, url, key, err, drop)
 		m.mu.Lock()
 	}
 	m.stream.accepting--
@@ -62,14 +66,14 @@ func (m *Monitor) take(ctx context.Context, env *Envelope) {
 	m.mu.Unlock()
 }
 
-func (m *Monitor) reportEnvelope(env *Envelope, key string, err error, drop *Drop) {
+func (m *Monitor) reportEnvelope(env *Envelope, url, key string, err error, drop *Drop) {
 	if env == nil {
 		m.emit(*drop)
 		return
 	}
 	entry := m.cfg.logger.WithFields(log.Fields{"topic": env.Topic, "namespace": env.Namespace})
 	if drop == nil {
-		entry.WithField("type", env.Event.GetTypeUrl()).WithError(err).
+		entry.WithField("type", url).WithError(err).
 			Debug("ignoring events of a type the converter has no key for; logged once per type")
 		return
 	}

@@ -19,7 +19,8 @@ import (
 // schedulerState is guarded by Monitor.mu.
 type schedulerState struct {
 	running bool          // a scheduler goroutine runs
-	armed   time.Time     // what its timer is set for; zero: none
+	armed   time.Time     // what it sets its timer for, from its last look; zero: none
+	set     bool          // its timer is set for armed
 	wake    chan struct{} // makes it look again
 }
 
@@ -92,7 +93,7 @@ func (m *Monitor) timerRight() bool {
 	if at.IsZero() {
 		return !m.sched.running
 	}
-	return m.sched.running && m.sched.armed.Equal(at)
+	return m.sched.running && m.sched.set && m.sched.armed.Equal(at)
 }
 
 func (m *Monitor) poke() {
@@ -105,18 +106,7 @@ func (m *Monitor) poke() {
 func (m *Monitor) schedule() {
 	var timer clock.Timer
 	for spins := 0; ; {
-		m.mu.Lock()
-		now := m.cfg.clock.Now()
-		for k := m.keys.Earliest(); k != nil && m.state == running && !k.Due().After(now); k = m.keys.Earliest() {
-			m.replay(k)
-		}
-		stuck := m.expire(now)
-		m.changed()
-		overruns := overruns(stuck)
-		at := m.wakeAt()
-		m.mu.Unlock()
-		m.reportOverruns(overruns, now)
-
+		now, at := m.pass()
 		// Drain before Reset: a FakeClock timer's channel holds one value,
 		// and its Step blocks on a second.
 		if timer != nil && !timer.Stop() {
@@ -126,14 +116,9 @@ func (m *Monitor) schedule() {
 			}
 		}
 		if at.IsZero() {
-			m.mu.Lock()
-			if m.wakeAt().IsZero() { // nothing came meanwhile: leave
-				m.sched.running, m.sched.armed = false, time.Time{}
-				m.cond.Broadcast()
-				m.mu.Unlock()
+			if m.leaveScheduler() {
 				return
 			}
-			m.mu.Unlock()
 			continue
 		}
 		if timer == nil {
@@ -150,7 +135,7 @@ func (m *Monitor) schedule() {
 		}
 		spins = 0
 		m.mu.Lock()
-		m.sched.armed = at
+		m.sched.set = m.sched.armed.Equal(at)
 		m.cond.Broadcast() // WaitIdle may be waiting for the timer
 		m.mu.Unlock()
 		select {
@@ -158,6 +143,39 @@ func (m *Monitor) schedule() {
 		case <-m.sched.wake:
 		}
 	}
+}
+
+// pass replays what is due and expires calls past their deadline, at the
+// clock's now, and returns when to look next.
+func (m *Monitor) pass() (now, next time.Time) {
+	m.mu.Lock()
+	now = m.cfg.clock.Now()
+	for k := m.keys.Earliest(); k != nil && m.state == running && !k.Due().After(now); k = m.keys.Earliest() {
+		m.replay(k)
+	}
+	stuck := m.expire(now)
+	m.changed()
+	overruns := overruns(stuck)
+	next = m.wakeAt()
+	// Recorded now, under the lock: a change from here on that needs an
+	// earlier wake compares against it, and pokes.
+	m.sched.armed, m.sched.set = next, false
+	m.mu.Unlock()
+	m.reportOverruns(overruns, now)
+	return now, next
+}
+
+// leaveScheduler ends the scheduler, its timer stopped, unless something
+// came to time meanwhile.
+func (m *Monitor) leaveScheduler() bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if !m.wakeAt().IsZero() {
+		return false
+	}
+	m.sched.running, m.sched.armed, m.sched.set = false, time.Time{}, false
+	m.cond.Broadcast()
+	return true
 }
 
 // replay starts k's backoff replay. mu is held.
