@@ -50,13 +50,13 @@ type Monitor struct {
 	sched  schedulerState
 	stream streamState
 
-	intake    context.Context // ends when Shutdown or Stop begins
-	endIntake context.CancelFunc
-	watchers  sync.WaitGroup // Start's reader and exit watchers while they wait
-	abandoned []Drop         // events of calls Stop gave up on, for it to hand over
-	stopping  chan struct{}  // closed when Stop begins
-	stopOnce  sync.Once
-	stopped   chan struct{} // closed when Stop is done
+	intake         context.Context // ends when Shutdown or Stop begins
+	endIntake      context.CancelFunc
+	watchers       sync.WaitGroup // Start's reader and exit watchers while they wait
+	abandonedDrops []Drop         // events of calls Stop gave up on, for it to hand over
+	stopping       chan struct{}  // closed when Stop begins
+	stopOnce       sync.Once
+	done           chan struct{} // closed when Stop is done
 }
 
 // item is one accepted event in its key's queue. Queues hold many: what
@@ -110,7 +110,7 @@ func New(h Handler, opts ...Option) (*Monitor, error) {
 		keys: keyq.New[item](keyq.Delays{Initial: cfg.initialBackoff, Max: cfg.maxBackoff,
 			Jitter: cfg.jitter, Rand: rand.Float64}),
 		stopping: make(chan struct{}),
-		stopped:  make(chan struct{}),
+		done:     make(chan struct{}),
 	}
 	if cfg.deferredStart {
 		m.state = held
@@ -258,6 +258,7 @@ func (m *Monitor) WaitIdle(ctx context.Context) error {
 		case ctx.Err() != nil:
 			return ctx.Err()
 		}
+		m.poke() // the scheduler may have a due replay to start, or its timer to set
 		m.cond.Wait()
 	}
 	return nil
@@ -273,15 +274,10 @@ func (m *Monitor) idle() bool {
 			return false
 		}
 		if k := m.keys.Earliest(); k != nil && !k.Due().After(m.cfg.clock.Now()) {
-			m.poke() // due: the scheduler replays it
 			return false
 		}
 	}
-	if !m.timerRight() {
-		m.poke()
-		return false
-	}
-	return true
+	return m.timerRight()
 }
 
 // wakeWaiters wakes everyone waiting on cond, for a waiter whose context

@@ -119,10 +119,11 @@ func TestMaxOverrunsBoundsReplacedWorkers(t *testing.T) {
 	assert.Equal(t, anys(ev{"a", 1}, ev{"c", 1}), r.handledList())
 	releaseB()
 	waitFor(t, func() bool { return len(r.handledList()) == 3 }, "b handled")
-	waitFor(t, func() bool { return h.workers() == 0 }, "every worker leaves once idle")
+	h.settled(t)
 	h.m.mu.Lock()
 	defer h.m.mu.Unlock()
 	assert.Zero(t, h.m.calls.n, "no call left, replaced or not")
+	assert.Zero(t, h.m.calls.slots, "every worker left once idle")
 }
 
 // Two Runs at once would both subscribe and handle every event twice: the

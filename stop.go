@@ -14,7 +14,9 @@ import (
 // dropped), so Stop returns within about the handle timeout even if a
 // handler ignores its context. Then every event not yet handled, queued or
 // in backoff, goes to the drop handler with ErrStopped. Stop is idempotent
-// and safe to call from several goroutines.
+// and safe to call from several goroutines. It also waits for the reports
+// of calls that returned (their log lines and drops): a drop handler or
+// logger that blocks holds it up.
 //
 // Do not call Stop from a handler: it would wait for that very call until
 // it overruns, then report its event dropped (with WithHandleTimeout(0), for
@@ -30,7 +32,7 @@ func (m *Monitor) Stop() {
 	}
 	m.mu.Unlock()
 	m.stopOnce.Do(m.finishStop)
-	<-m.stopped
+	<-m.done
 }
 
 // beginStop ends intake and cancels every call. mu is held.
@@ -60,7 +62,7 @@ func (m *Monitor) abandon(stages ...stage) {
 			d := m.drop(c.name, []any{c.it.event},
 				fmt.Errorf("%w: handler still running at its deadline, abandoned", ErrStopped))
 			d.Topic, d.Namespace = c.it.topic, c.it.namespace
-			m.abandoned = append(m.abandoned, d)
+			m.abandonedDrops = append(m.abandonedDrops, d)
 		}
 		c = next
 	}
@@ -71,8 +73,8 @@ func (m *Monitor) abandon(stages ...stage) {
 // call is left, and ends the goroutines Stop waits for.
 func (m *Monitor) finishStop() {
 	m.mu.Lock()
-	drops := m.abandoned
-	m.abandoned = nil
+	drops := m.abandonedDrops
+	m.abandonedDrops = nil
 	var names []string
 	m.keys.Keys(func(k *keyq.Key[item]) { names = append(names, k.Name()) })
 	slices.Sort(names)
@@ -92,7 +94,7 @@ func (m *Monitor) finishStop() {
 	if lifetime != nil {
 		close(lifetime)
 	}
-	close(m.stopped)
+	close(m.done)
 }
 
 // Shutdown stops intake (Submit returns ErrStopped from now on), handles
