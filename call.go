@@ -125,15 +125,15 @@ func (m *Monitor) handle(c *call) (next *call) {
 	if c.stage == abandoned {
 		return nil // Stop gave up on it and accounted for it
 	}
-	wasOverrun := c.stage == overran
-	drop, delay := m.settle(c, err, end)
-	if wasOverrun || err != nil {
+	overran := c.stage == overran
+	out := m.settle(c, err, end)
+	if overran || out.failed != nil {
 		m.calls.setStage(c, settling) // WaitIdle and Stop wait for the report
 		m.changed()
 		m.mu.Unlock()
-		m.report(c, err, drop, delay, wasOverrun)
+		m.report(c, out, overran)
 		m.mu.Lock()
-		if drop != nil {
+		if out.drop != nil {
 			m.keys.Done(c.key, false) // the key's next event starts after its drop is reported
 		}
 	}
@@ -157,20 +157,27 @@ func (m *Monitor) invoke(c *call) (err error) {
 	return m.handler.HandleEvent(c, c.it.event)
 }
 
+// outcome is what a failed call leaves to report once mu is released.
+type outcome struct {
+	failed error         // the handler's error; nil if the event did not fail
+	delay  time.Duration // the backoff the event now waits
+	drop   *Drop         // set when the monitor gave up on the event
+}
+
 // settle records a returned call's outcome: handled, ignored (the handler
-// has no route for it), given up on, or back to the head of its key's
-// queue to wait. It returns the drop to hand over, if any, or the delay the
-// event now waits. mu is held.
-func (m *Monitor) settle(c *call, err error, end time.Time) (*Drop, time.Duration) {
+// has no route for it), back to the head of its key's queue to wait, or
+// given up on (the caller releases the key once the drop is reported).
+// mu is held.
+func (m *Monitor) settle(c *call, err error, end time.Time) outcome {
 	switch {
 	case err == nil:
 		m.stats.Handled++
 		m.keys.Done(c.key, true)
-		return nil, 0
+		return outcome{}
 	case errors.Is(err, ErrUnsupportedEvent):
 		m.stats.Ignored++
 		m.keys.Done(c.key, true)
-		return nil, 0
+		return outcome{}
 	}
 	m.stats.Failed++
 	// A new record: the old one may be read, without the lock, by the report
@@ -189,28 +196,27 @@ func (m *Monitor) settle(c *call, err error, end time.Time) (*Drop, time.Duratio
 		reason = fmt.Errorf("%w (%d): %w", ErrMaxAttempts, it.attempts(), err)
 	default:
 		m.keys.Failed(c.key, it, end)
-		return nil, c.key.Delay()
+		return outcome{failed: err, delay: c.key.Delay()}
 	}
-	d := m.drop(c.name, []any{it.event}, reason) // the key is released once it is reported
-
+	d := m.drop(c.name, []any{it.event}, reason)
 	d.Topic, d.Namespace = it.topic, it.namespace
-	return &d, 0
+	return outcome{failed: err, drop: &d}
 }
 
 // report logs a returned call's overrun or failure and hands its drop
 // over. A key in backoff makes at most one call per delay, so a failing key
 // cannot flood the log.
-func (m *Monitor) report(c *call, err error, drop *Drop, delay time.Duration, wasOverrun bool) {
+func (m *Monitor) report(c *call, out outcome, overran bool) {
 	entry := m.cfg.logger.WithFields(itemFields(c.name, c.it))
-	if wasOverrun {
+	if overran {
 		entry.WithField("ran", m.cfg.clock.Since(c.start)).Warn("event handler returned after its deadline")
 	}
 	switch {
-	case drop != nil:
-		entry.WithError(err).Warn("giving up on event")
-		m.emit(*drop)
-	case err != nil && !errors.Is(err, ErrUnsupportedEvent):
-		entry.WithError(err).WithField("delay", delay).Error("event handling failed; backing off")
+	case out.drop != nil:
+		entry.WithError(out.failed).Warn("giving up on event")
+		m.emit(*out.drop)
+	case out.failed != nil:
+		entry.WithError(out.failed).WithField("delay", out.delay).Error("event handling failed; backing off")
 	}
 }
 

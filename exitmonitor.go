@@ -145,9 +145,10 @@ func (m *Monitor) handleExit(key string, build func() any) {
 		return
 	}
 	var c *call
-	if m.state == running && k.Phase() == keyq.Ready && k.Len() == 1 && !k.InBackoff() {
-		it, _ := m.keys.TakeKey(k)
-		c = m.startCall(k, it, false, false)
+	if m.state == running {
+		if it, ok := m.keys.TakeAlone(k); ok {
+			c = m.startCall(k, it, false, false)
+		}
 	}
 	m.changed()
 	m.mu.Unlock()

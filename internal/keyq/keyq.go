@@ -190,6 +190,17 @@ func (s *Set[T]) TakeKey(k *Key[T]) (it T, replayStart bool) {
 	return it, replayStart
 }
 
+// TakeAlone takes k, as TakeKey does, if it is Ready with only the event
+// just pushed and not in backoff: nothing of the key is before that event,
+// so it may be handled at once on the caller's goroutine.
+func (s *Set[T]) TakeAlone(k *Key[T]) (it T, ok bool) {
+	if k.phase != Ready || k.items.len() != 1 || k.backoff != nil {
+		return it, false
+	}
+	it, _ = s.TakeKey(k)
+	return it, true
+}
+
 // Done ends k's call, whose event is finished with: handled (progressed)
 // or given up on. The key leaves backoff once its replay is done, then goes
 // on to wait (a PushBackoff during the call), to Ready, or to Idle.

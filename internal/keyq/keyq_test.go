@@ -111,6 +111,27 @@ func TestPushTakeDone(t *testing.T) {
 	is(t, s, a, Idle, none)
 }
 
+// TakeAlone takes a key only when the event just pushed is all it holds and
+// it is not in backoff: nothing of the key may be passed.
+func TestTakeAlone(t *testing.T) {
+	s := New[int](testDelays)
+	a := s.Push("a", 1)
+	it, ok := s.TakeAlone(a)
+	require.True(t, ok)
+	require.Equal(t, 1, it)
+	is(t, s, a, Running, none)
+	s.Push("a", 2)
+	_, ok = s.TakeAlone(a)
+	require.False(t, ok, "a call of the key is in progress")
+	s.Done(a, true)
+	s.Push("a", 3)
+	_, ok = s.TakeAlone(a)
+	require.False(t, ok, "an earlier event waits")
+	b := s.PushBackoff("b", 4, t0)
+	_, ok = s.TakeAlone(b)
+	require.False(t, ok, "in backoff")
+}
+
 func TestFailedReplay(t *testing.T) {
 	s := New[int](testDelays)
 	k := s.Push("a", 1)
