@@ -199,7 +199,7 @@ func (m *Monitor) settle(c *call, err error, end time.Time) outcome {
 		return outcome{failed: err, delay: c.key.Delay()}
 	}
 	d := m.drop(c.name, []any{it.event}, reason)
-	d.Topic, d.Namespace = it.topic, it.namespace
+	d.Topic, d.Namespace = it.from()
 	return outcome{failed: err, drop: &d}
 }
 
@@ -239,8 +239,8 @@ func (m *Monitor) logRetry(c *call) {
 
 func itemFields(key string, it item) log.Fields {
 	fields := log.Fields{"key": key, "attempt": it.attempts()}
-	if it.topic != "" || it.namespace != "" {
-		fields["topic"], fields["namespace"] = it.topic, it.namespace
+	if topic, namespace := it.from(); topic != "" || namespace != "" {
+		fields["topic"], fields["namespace"] = topic, namespace
 	}
 	return fields
 }

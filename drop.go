@@ -66,7 +66,7 @@ func (m *Monitor) dropByOrigin(key string, items []item) []Drop {
 	var drops []Drop
 	for len(items) > 0 {
 		n := 1
-		for n < len(items) && items[n].topic == items[0].topic && items[n].namespace == items[0].namespace {
+		for n < len(items) && sameOrigin(items[n], items[0]) {
 			n++
 		}
 		events := make([]any, n)
@@ -74,11 +74,17 @@ func (m *Monitor) dropByOrigin(key string, items []item) []Drop {
 			events[i] = it.event
 		}
 		d := m.drop(key, events, ErrStopped)
-		d.Topic, d.Namespace = items[0].topic, items[0].namespace
+		d.Topic, d.Namespace = items[0].from()
 		drops = append(drops, d)
 		items = items[n:]
 	}
 	return drops
+}
+
+func sameOrigin(a, b item) bool {
+	at, an := a.from()
+	bt, bn := b.from()
+	return at == bt && an == bn
 }
 
 // emit hands a drop to the drop handler; a panicking drop handler is logged

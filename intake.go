@@ -46,7 +46,7 @@ func (m *Monitor) take(ctx context.Context, env *Envelope) {
 			m.cond.Wait()
 		}
 		if err == nil {
-			_, err = m.accept(key, item{event: event, topic: env.Topic, namespace: env.Namespace}, false)
+			_, err = m.accept(key, item{event: event, origin: &origin{env.Topic, env.Namespace}}, false)
 		}
 		if err != nil {
 			d := m.refuse(key, event, err)

@@ -62,9 +62,20 @@ type Monitor struct {
 // item is one accepted event in its key's queue. Queues hold many: what
 // only a failed event needs is behind a pointer.
 type item struct {
-	event            any
-	topic, namespace string    // the envelope's; "" for Submit, Backoff and WatchExit
-	failures         *failures // nil until the event fails
+	event    any
+	origin   *origin   // nil for Submit, Backoff and WatchExit
+	failures *failures // nil until the event fails
+}
+
+// origin is the envelope an event came from, for its drop and log lines.
+type origin struct{ topic, namespace string }
+
+// from is the topic and namespace of the envelope the event came from.
+func (it item) from() (topic, namespace string) {
+	if it.origin == nil {
+		return "", ""
+	}
+	return it.origin.topic, it.origin.namespace
 }
 
 type failures struct {

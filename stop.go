@@ -61,7 +61,7 @@ func (m *Monitor) abandon(stages ...stage) {
 			c.stage = abandoned
 			d := m.drop(c.name, []any{c.it.event},
 				fmt.Errorf("%w: handler still running at its deadline, abandoned", ErrStopped))
-			d.Topic, d.Namespace = c.it.topic, c.it.namespace
+			d.Topic, d.Namespace = c.it.from()
 			m.abandonedDrops = append(m.abandonedDrops, d)
 		}
 		c = next

@@ -2,57 +2,6 @@ package keyq
 
 import "container/heap"
 
-// fifo is a queue on a slice that reuses its array: pop advances a head
-// index, and a full array whose first half is dead slides its live items
-// down rather than growing, so a key's backlog under a steady flow keeps
-// one array.
-type fifo[T any] struct {
-	items []T
-	head  int
-}
-
-func (q *fifo[T]) len() int { return len(q.items) - q.head }
-func (q *fifo[T]) all() []T { return q.items[q.head:] }
-
-func (q *fifo[T]) push(v T) {
-	if len(q.items) == cap(q.items) && q.head > 0 && q.head >= len(q.items)/2 {
-		n := copy(q.items, q.items[q.head:])
-		clear(q.items[n:])
-		q.items, q.head = q.items[:n], 0
-	}
-	q.items = append(q.items, v)
-}
-
-// pushFront puts v back at the head, where a failed event returns to.
-func (q *fifo[T]) pushFront(v T) {
-	if q.head == 0 {
-		var zero T
-		q.items = append(q.items, zero)
-		copy(q.items[1:], q.items)
-		q.head = 1
-	}
-	q.head--
-	q.items[q.head] = v
-}
-
-// pop removes the head; the queue must not be empty.
-func (q *fifo[T]) pop() T {
-	var zero T
-	v := q.items[q.head]
-	q.items[q.head] = zero // the event is the caller's now, not the array's
-	q.head++
-	if q.head == len(q.items) {
-		q.items, q.head = q.items[:0], 0
-	}
-	return v
-}
-
-func (q *fifo[T]) takeAll() []T {
-	items := append([]T(nil), q.all()...)
-	*q = fifo[T]{}
-	return items
-}
-
 // runQueue is the Ready keys in the order they became ready, linked
 // through the keys so that Forget takes one out in O(1).
 type runQueue[T any] struct{ head, tail *Key[T] }

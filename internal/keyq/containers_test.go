@@ -2,7 +2,6 @@ package keyq
 
 import (
 	"slices"
-	"strconv"
 	"testing"
 	"time"
 )
@@ -57,60 +56,4 @@ func FuzzDueHeap(f *testing.F) {
 			}
 		}
 	})
-}
-
-// FuzzFifo checks a key's event queue against a plain slice: appends,
-// returns to the head (a failed event) and pops, in any order.
-func FuzzFifo(f *testing.F) {
-	f.Add([]byte{0, 0, 0, 2, 1, 2, 2, 0, 2})
-	f.Add([]byte{1, 1, 1, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2, 2})
-	f.Fuzz(func(t *testing.T, ops []byte) {
-		ops = ops[:min(len(ops), maxFuzzOps)]
-		var q fifo[int]
-		var model []int
-		for i, op := range ops {
-			switch op % 3 {
-			case 0:
-				q.push(i)
-				model = append(model, i)
-			case 1:
-				q.pushFront(i)
-				model = slices.Insert(model, 0, i)
-			case 2:
-				if len(model) == 0 {
-					continue
-				}
-				if got := q.pop(); got != model[0] {
-					t.Fatalf("popped %d, want %d", got, model[0])
-				}
-				model = model[1:]
-			}
-			if !slices.Equal(q.all(), model) && !(q.len() == 0 && len(model) == 0) {
-				t.Fatalf("queue %v, model %v", q.all(), model)
-			}
-		}
-	})
-}
-
-// BenchmarkFifoSlidingWindow pushes and pops a queue that holds a steady
-// backlog, as a key's queue does under a flood: the cost per item must not
-// grow with the backlog.
-func BenchmarkFifoSlidingWindow(b *testing.B) {
-	for _, backlog := range []int{100, 10_000} {
-		b.Run("backlog="+strconv.Itoa(backlog), func(b *testing.B) {
-			var q fifo[[4]any]
-			for range backlog {
-				q.push([4]any{})
-			}
-			b.ReportAllocs()
-			for i := range b.N {
-				q.push([4]any{})
-				if i%8 == 0 { // a worker's turn takes a few at a time
-					for range 8 {
-						q.pop()
-					}
-				}
-			}
-		})
-	}
 }

@@ -24,6 +24,7 @@ package keyq
 
 import (
 	"math"
+	"slices"
 	"time"
 )
 
@@ -49,7 +50,7 @@ type Delays struct {
 type Key[T any] struct {
 	name    string
 	phase   Phase
-	items   fifo[T]
+	items   []T      // in order; the head is the next to handle
 	backoff *backoff // set while the key is in backoff: waiting or replaying
 	prev    *Key[T]  // run queue links, while Ready
 	next    *Key[T]
@@ -67,8 +68,8 @@ type backoff struct {
 
 func (k *Key[T]) Name() string    { return k.name }
 func (k *Key[T]) Phase() Phase    { return k.phase }
-func (k *Key[T]) Len() int        { return k.items.len() }
-func (k *Key[T]) Items() []T      { return k.items.all() }
+func (k *Key[T]) Len() int        { return len(k.items) }
+func (k *Key[T]) Items() []T      { return k.items }
 func (k *Key[T]) InBackoff() bool { return k.backoff != nil }
 
 // Due is when a key in backoff replays (in the past while it replays).
@@ -138,7 +139,7 @@ func (s *Set[T]) Push(name string, it T) *Key[T] {
 		s.keys[name] = k
 	}
 	s.uncount(k)
-	k.items.push(it)
+	k.items = append(k.items, it)
 	if k.phase == Idle {
 		s.moveTo(k, Ready)
 	}
@@ -180,7 +181,7 @@ func (s *Set[T]) Take() (k *Key[T], it T, replayStart bool) {
 func (s *Set[T]) TakeKey(k *Key[T]) (it T, replayStart bool) {
 	s.uncount(k)
 	s.moveTo(k, Running)
-	it = k.items.pop()
+	it = k.pop()
 	if b := k.backoff; b != nil && b.replayLeft > 0 {
 		replayStart, b.begun = !b.begun, true
 		b.replayLeft--
@@ -194,7 +195,7 @@ func (s *Set[T]) TakeKey(k *Key[T]) (it T, replayStart bool) {
 // just pushed and not in backoff: nothing of the key is before that event,
 // so it may be handled at once on the caller's goroutine.
 func (s *Set[T]) TakeAlone(k *Key[T]) (it T, ok bool) {
-	if k.phase != Ready || k.items.len() != 1 || k.backoff != nil {
+	if k.phase != Ready || len(k.items) != 1 || k.backoff != nil {
 		return it, false
 	}
 	it, _ = s.TakeKey(k)
@@ -216,7 +217,7 @@ func (s *Set[T]) Done(k *Key[T], progressed bool) {
 	switch {
 	case k.backoff != nil && k.backoff.replayLeft == 0:
 		s.moveTo(k, Waiting)
-	case k.items.len() > 0:
+	case len(k.items) > 0:
 		s.moveTo(k, Ready)
 	default:
 		s.moveTo(k, Idle)
@@ -229,7 +230,7 @@ func (s *Set[T]) Done(k *Key[T], progressed bool) {
 // (PushBackoff) keeps it.
 func (s *Set[T]) Failed(k *Key[T], it T, now time.Time) {
 	s.uncount(k)
-	k.items.pushFront(it)
+	k.items = slices.Insert(k.items, 0, it) // failures are rare: a copy is fine
 	b := k.backoff
 	switch {
 	case b != nil && !b.inCall && b.replayLeft == 0:
@@ -248,7 +249,7 @@ func (s *Set[T]) Failed(k *Key[T], it T, now time.Time) {
 // every event it holds now as the replay.
 func (s *Set[T]) Replay(k *Key[T]) {
 	s.uncount(k)
-	k.backoff.replayLeft, k.backoff.begun, k.backoff.progressed = k.items.len(), false, false
+	k.backoff.replayLeft, k.backoff.begun, k.backoff.progressed = len(k.items), false, false
 	s.moveTo(k, Ready)
 	s.count(k)
 }
@@ -261,7 +262,8 @@ func (s *Set[T]) Forget(name string) []T {
 		return nil
 	}
 	s.uncount(k)
-	items := k.items.takeAll()
+	items := k.items
+	k.items = nil
 	k.backoff = nil
 	if k.phase != Running {
 		s.moveTo(k, Idle)
@@ -286,19 +288,34 @@ func (s *Set[T]) moveTo(k *Key[T], p Phase) {
 	case Waiting:
 		s.waiting.add(k)
 	case Idle:
-		k.items = fifo[T]{} // a burst's array is not kept
+		k.items = nil // a burst's array is not kept
 		delete(s.keys, k.name)
 	}
+}
+
+// pop removes the head event. The array is reused from its start once
+// empty; otherwise the head moves up it and append's next growth leaves
+// the dead part behind.
+func (k *Key[T]) pop() T {
+	var zero T
+	it := k.items[0]
+	k.items[0] = zero // the event is the caller's now, not the array's
+	if len(k.items) == 1 {
+		k.items = k.items[:0]
+	} else {
+		k.items = k.items[1:]
+	}
+	return it
 }
 
 func (s *Set[T]) count(k *Key[T])   { s.gauge(k, 1) }
 func (s *Set[T]) uncount(k *Key[T]) { s.gauge(k, -1) }
 
 func (s *Set[T]) gauge(k *Key[T], sign int) {
-	s.events += sign * k.items.len()
+	s.events += sign * len(k.items)
 	if k.backoff != nil {
 		s.backoffKeys += sign
-		s.backoffEvents += sign * k.items.len()
+		s.backoffEvents += sign * len(k.items)
 	}
 }
 
