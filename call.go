@@ -31,19 +31,18 @@ const (
 // DeadlineExceeded once that ended it, and gives log.G the call's key.
 type call struct {
 	context.Context
-	cancel   context.CancelCauseFunc
-	name     string
-	deadline time.Time // zero: none (WithHandleTimeout(0))
+	cancel      context.CancelCauseFunc
+	key         *keyq.Key[item] // its name never changes: read it anywhere
+	it          item
+	start       time.Time // read only with a deadline or metrics
+	deadline    time.Time // zero: none (WithHandleTimeout(0))
+	replayStart bool      // its event is the first of a replay: logged as a retry
 
 	// Guarded by Monitor.mu.
-	key         *keyq.Key[item]
-	it          item
-	start       time.Time
-	replayStart bool // its event is the first of a replay: logged as a retry
-	slot        bool // it holds one of the WithWorkers slots
-	replaced    bool // it overran and gave its slot to a new worker
-	stage       stage
-	prev, next  *call
+	slot       bool // it holds one of the WithWorkers slots
+	replaced   bool // it overran and gave its slot to a new worker
+	stage      stage
+	prev, next *call
 }
 
 // Deadline is the monitor clock's start plus the handle timeout.
@@ -61,7 +60,7 @@ func (c *call) Err() error {
 func (c *call) Value(key any) any {
 	v := c.Context.Value(key)
 	if l, ok := v.(*log.Entry); ok {
-		return l.WithField("key", c.name)
+		return l.WithField("key", c.key.Name())
 	}
 	return v
 }
@@ -82,9 +81,11 @@ func (m *Monitor) takeReady(slot bool) *call {
 // startCall registers a call of it for k, just taken. Calls enter the list
 // in start order, under mu, so the list is in deadline order too. mu is held.
 func (m *Monitor) startCall(k *keyq.Key[item], it item, replayStart, slot bool) *call {
-	c := &call{name: k.Name(), key: k, it: it, replayStart: replayStart, slot: slot,
-		start: m.cfg.clock.Now()}
+	c := &call{key: k, it: it, replayStart: replayStart, slot: slot}
 	c.Context, c.cancel = context.WithCancelCause(m.base)
+	if m.cfg.handleTimeout > 0 || m.cfg.metrics != nil {
+		c.start = m.cfg.clock.Now()
+	}
 	if m.cfg.handleTimeout > 0 {
 		c.deadline = c.start.Add(m.cfg.handleTimeout)
 	}
@@ -150,7 +151,7 @@ func (m *Monitor) invoke(c *call) (err error) {
 	defer func() {
 		if r := recover(); r != nil {
 			err = fmt.Errorf("%w: %v", ErrHandlerPanic, r)
-			m.cfg.logger.WithFields(log.Fields{"key": c.name, "stack": string(debug.Stack())}).
+			m.cfg.logger.WithFields(log.Fields{"key": c.key.Name(), "stack": string(debug.Stack())}).
 				WithError(err).Error("event handler panicked")
 		}
 	}()
@@ -198,7 +199,7 @@ func (m *Monitor) settle(c *call, err error, end time.Time) outcome {
 		m.keys.Failed(c.key, it, end)
 		return outcome{failed: err, delay: c.key.Delay()}
 	}
-	d := m.drop(c.name, []any{it.event}, reason)
+	d := m.drop(c.key.Name(), []any{it.event}, reason)
 	d.Topic, d.Namespace = it.from()
 	return outcome{failed: err, drop: &d}
 }
@@ -207,7 +208,7 @@ func (m *Monitor) settle(c *call, err error, end time.Time) outcome {
 // over. A key in backoff makes at most one call per delay, so a failing key
 // cannot flood the log.
 func (m *Monitor) report(c *call, out outcome, overran bool) {
-	entry := m.cfg.logger.WithFields(itemFields(c.name, c.it))
+	entry := m.cfg.logger.WithFields(itemFields(c.key.Name(), c.it))
 	if overran {
 		entry.WithField("ran", m.cfg.clock.Since(c.start)).Warn("event handler returned after its deadline")
 	}
@@ -224,7 +225,7 @@ func (m *Monitor) report(c *call, out outcome, overran bool) {
 // first call, so that the line comes before that call's outcome.
 func (m *Monitor) logRetry(c *call) {
 	m.mu.Lock()
-	fields := itemFields(c.name, c.it)
+	fields := itemFields(c.key.Name(), c.it)
 	fields["attempt"] = c.it.attempts() + 1
 	fields["events"], fields["delay"] = c.key.Len()+1, c.key.Delay()
 	m.mu.Unlock()

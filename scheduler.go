@@ -242,7 +242,7 @@ func (m *Monitor) replaceStuck() {
 func overruns(stuck []*call) []overrun {
 	var out []overrun
 	for _, c := range stuck {
-		out = append(out, overrun{key: c.name, started: c.start, replaced: c.replaced, limited: c.slot})
+		out = append(out, overrun{key: c.key.Name(), started: c.start, replaced: c.replaced, limited: c.slot})
 	}
 	return out
 }

@@ -59,7 +59,7 @@ func (m *Monitor) abandon(stages ...stage) {
 		if slices.Contains(stages, c.stage) {
 			m.calls.remove(c)
 			c.stage = abandoned
-			d := m.drop(c.name, []any{c.it.event},
+			d := m.drop(c.key.Name(), []any{c.it.event},
 				fmt.Errorf("%w: handler still running at its deadline, abandoned", ErrStopped))
 			d.Topic, d.Namespace = c.it.from()
 			m.abandonedDrops = append(m.abandonedDrops, d)
