@@ -24,11 +24,10 @@ const (
 	numStages
 )
 
-// call is one handler call, and the context the handler gets. The context
-// is a standard one (ended with cancel when the call returns, at its
-// deadline or at Stop), so contexts the handler derives from it cost no
-// goroutine; the wrapper only reports the monitor clock's deadline, says
-// DeadlineExceeded once that ended it, and gives log.G the call's key.
+// call is one handler call and the handler's ctx: a standard context
+// (cancelled at the call's end, deadline or Stop), so contexts derived from
+// it cost no goroutine, wrapped to report the monitor clock's deadline and
+// to give log.G the call's key.
 type call struct {
 	context.Context
 	cancel      context.CancelCauseFunc
@@ -48,15 +47,15 @@ type call struct {
 // Deadline is the monitor clock's start plus the handle timeout.
 func (c *call) Deadline() (time.Time, bool) { return c.deadline, !c.deadline.IsZero() }
 
+// Err is DeadlineExceeded once the deadline ended the call's ctx.
 func (c *call) Err() error {
-	if err := c.Context.Err(); err != nil && context.Cause(c.Context) == context.DeadlineExceeded {
+	if context.Cause(c.Context) == context.DeadlineExceeded {
 		return context.DeadlineExceeded
 	}
 	return c.Context.Err()
 }
 
-// Value answers from the monitor's base context; the logger it carries
-// comes back with the call's key, so log.G(ctx) says which key it handles.
+// Value gives the base context's logger the call's key.
 func (c *call) Value(key any) any {
 	v := c.Context.Value(key)
 	if l, ok := v.(*log.Entry); ok {
@@ -65,8 +64,8 @@ func (c *call) Value(key any) any {
 	return v
 }
 
-// takeReady starts a call for the first ready key, if the monitor may
-// start one. mu is held.
+// takeReady starts a call for the first ready key, if the monitor may.
+// mu is held.
 func (m *Monitor) takeReady(slot bool) *call {
 	if m.state != running && m.state != draining {
 		return nil
@@ -78,8 +77,8 @@ func (m *Monitor) takeReady(slot bool) *call {
 	return m.startCall(k, it, replayStart, slot)
 }
 
-// startCall registers a call of it for k, just taken. Calls enter the list
-// in start order, under mu, so the list is in deadline order too. mu is held.
+// startCall registers a call of it for k, just taken. The list is in
+// start order, hence in deadline order. mu is held.
 func (m *Monitor) startCall(k *keyq.Key[item], it item, replayStart, slot bool) *call {
 	c := &call{key: k, it: it, replayStart: replayStart, slot: slot}
 	c.Context, c.cancel = context.WithCancelCause(m.base)
@@ -93,18 +92,16 @@ func (m *Monitor) startCall(k *keyq.Key[item], it item, replayStart, slot bool) 
 	return c
 }
 
-// work is a worker: it makes call c, then the calls its slot takes on,
-// until no key is ready or its slot went to a new worker while its call
-// overran.
+// work is a worker: call c, then the calls its slot takes on, until no key
+// is ready or its slot went to a new worker while its call overran.
 func (m *Monitor) work(c *call) {
 	for c != nil {
 		c = m.handle(c)
 	}
 }
 
-// handle makes call c, settles its outcome and reports it. For a call that
-// holds a worker slot it then returns the next call the slot takes on,
-// taken under the same lock as the settling.
+// handle makes call c, settles and reports its outcome, and returns the
+// next call its slot (if it holds one) takes on, under the same lock.
 func (m *Monitor) handle(c *call) (next *call) {
 	if c.replayStart {
 		m.logRetry(c)
@@ -165,10 +162,9 @@ type outcome struct {
 	drop   *Drop         // set when the monitor gave up on the event
 }
 
-// settle records a returned call's outcome: handled, ignored (the handler
-// has no route for it), back to the head of its key's queue to wait, or
-// given up on (the caller releases the key once the drop is reported).
-// mu is held.
+// settle records a returned call's outcome: handled, ignored (no route),
+// back at its key's head to wait, or given up on (the caller releases the
+// key once the drop is reported). mu is held.
 func (m *Monitor) settle(c *call, err error, end time.Time) outcome {
 	switch {
 	case err == nil:
@@ -181,8 +177,8 @@ func (m *Monitor) settle(c *call, err error, end time.Time) outcome {
 		return outcome{}
 	}
 	m.stats.Failed++
-	// A new record: the old one may be read, without the lock, by the report
-	// of the call that made it.
+	// A new record: the report of the call that made the old one reads it
+	// without the lock.
 	f := failures{first: end, attempts: 1, last: err}
 	if old := c.it.failures; old != nil {
 		f.first, f.attempts = old.first, old.attempts+1
@@ -199,14 +195,12 @@ func (m *Monitor) settle(c *call, err error, end time.Time) outcome {
 		m.keys.Failed(c.key, it, end)
 		return outcome{failed: err, delay: c.key.Delay()}
 	}
-	d := m.drop(c.key.Name(), []any{it.event}, reason)
-	d.Topic, d.Namespace = it.from()
+	d := m.dropCall(c, reason)
 	return outcome{failed: err, drop: &d}
 }
 
 // report logs a returned call's overrun or failure and hands its drop
-// over. A key in backoff makes at most one call per delay, so a failing key
-// cannot flood the log.
+// over. A failing key calls once per delay: it cannot flood the log.
 func (m *Monitor) report(c *call, out outcome, overran bool) {
 	entry := m.cfg.logger.WithFields(itemFields(c.key.Name(), c.it))
 	if overran {
@@ -221,8 +215,7 @@ func (m *Monitor) report(c *call, out outcome, overran bool) {
 	}
 }
 
-// logRetry logs the start of a replay, from the goroutine about to make its
-// first call, so that the line comes before that call's outcome.
+// logRetry logs a replay's start before its first call's outcome.
 func (m *Monitor) logRetry(c *call) {
 	m.mu.Lock()
 	fields := itemFields(c.key.Name(), c.it)
@@ -231,8 +224,7 @@ func (m *Monitor) logRetry(c *call) {
 	m.mu.Unlock()
 	entry := m.cfg.logger.WithFields(fields)
 	if f := c.it.failures; f != nil {
-		// Not "error": this line announces a retry; the failure is the one
-		// that put the key in backoff.
+		// Not "error": the failure is the one that put the key in backoff.
 		entry = entry.WithField("previous_error", f.last.Error())
 	}
 	entry.Info("retrying backed-off events")
@@ -246,8 +238,8 @@ func itemFields(key string, it item) log.Fields {
 	return fields
 }
 
-// callList is the calls in progress or being settled, in start order, with
-// how many are in each stage and how many hold a worker slot.
+// callList is the calls in progress or being settled, in start order,
+// counted by stage and by worker slots held.
 type callList struct {
 	head, tail *call
 	n, slots   int
@@ -292,8 +284,7 @@ func (l *callList) setStage(c *call, s stage) {
 	l.stages[s]++
 }
 
-// freeSlot gives c's worker slot back: at its end, or when it overran and
-// another worker takes its place.
+// freeSlot gives c's worker slot back, at its end or to replace it.
 func (l *callList) freeSlot(c *call) {
 	if c.slot {
 		c.slot = false

@@ -26,13 +26,12 @@ type TypeKey struct {
 	key func(event any) string
 }
 
-// Type is the Go type the key is for, such as *events.TaskExit. Helpers
-// use it to ask a runtime for only the events a converter keys (see the
-// containerd module's Filters).
+// Type is the keyed Go type, for helpers that ask a runtime for only the
+// keyed events (see the containerd module's Filters).
 func (k TypeKey) Type() reflect.Type { return k.typ }
 
-// KeyOf keys events of type T (the type typeurl unmarshals to, usually a
-// pointer such as *events.TaskExit) with key. A nil key panics at once.
+// KeyOf keys events of type T, as typeurl unmarshals them (usually a pointer
+// such as *events.TaskExit), with key. A nil key panics at once.
 func KeyOf[T any](key func(T) string) TypeKey {
 	if key == nil {
 		panic(fmt.Sprintf("eventmonitor: KeyOf[%v] with a nil key function", reflect.TypeFor[T]()))
@@ -47,12 +46,10 @@ type typeConverter struct {
 	keys map[reflect.Type]func(any) string
 }
 
-// NewConverter returns a Converter that unmarshals as typeurl.UnmarshalAny
-// does and keys the result by its Go type. A payload whose type URL typeurl
-// does not know, or whose type has no TypeKey, is ErrUnsupportedEvent (the
-// monitor ignores it); bytes that do not unmarshal are ErrDecode (a drop).
-// A later TypeKey for the same type wins. A zero TypeKey (not made by
-// KeyOf) panics at once.
+// NewConverter returns a Converter that unmarshals with typeurl.UnmarshalAny
+// and keys the result by its Go type; a later TypeKey for a type wins. An
+// unknown type URL or unkeyed type is ErrUnsupportedEvent (ignored); bad
+// bytes are ErrDecode (dropped). A zero TypeKey (not from KeyOf) panics.
 func NewConverter(keys ...TypeKey) Converter {
 	conv := &typeConverter{keys: make(map[reflect.Type]func(any) string, len(keys))}
 	for i, k := range keys {

@@ -2,16 +2,14 @@ package eventmonitor
 
 import "errors"
 
-// Sentinel errors. Every error the monitor returns or reports in a Drop wraps
-// one of these, so callers test them with errors.Is.
+// Sentinel errors. Every error the monitor returns or puts in a Drop wraps
+// one of these; test with errors.Is.
 var (
-	// ErrUnsupportedEvent: the payload's type has no key (no TypeKey for it)
-	// or its type URL is not registered with typeurl. A converter returns it
-	// for events that are not the monitor's to handle: stream intake counts
-	// them in Stats.Ignored, not as drops.
+	// ErrUnsupportedEvent: a type URL unknown to typeurl or a type with no
+	// TypeKey; not the monitor's to handle, so Stats.Ignored, not a drop.
 	ErrUnsupportedEvent = errors.New("eventmonitor: unsupported event type")
-	// ErrInvalidEvent: a nil envelope, payload or event, an empty or oversized
-	// key, or a key function that panicked.
+	// ErrInvalidEvent: a nil envelope, payload or event, an empty or
+	// oversized key, or a panicking key function.
 	ErrInvalidEvent = errors.New("eventmonitor: invalid event")
 	// ErrDecode: the payload's bytes could not be unmarshalled.
 	ErrDecode = errors.New("eventmonitor: cannot decode event")
@@ -21,14 +19,14 @@ var (
 	ErrQueueFull = errors.New("eventmonitor: key queue full")
 	// ErrStopped: the monitor is stopped or shutting down.
 	ErrStopped = errors.New("eventmonitor: monitor stopped")
-	// ErrHandlerPanic: the handler panicked; the event is treated as failed.
+	// ErrHandlerPanic: the handler panicked; the event counts as failed.
 	ErrHandlerPanic = errors.New("eventmonitor: handler panicked")
-	// ErrInvalidOption: New was given an option value it cannot work with.
+	// ErrInvalidOption: New was given an unusable option value.
 	ErrInvalidOption = errors.New("eventmonitor: invalid option")
 	// ErrNoConverter: envelope intake needs WithConverter.
 	ErrNoConverter = errors.New("eventmonitor: no converter (use WithConverter)")
-	// ErrAlreadyRunning: a Run or Start's reader is already reading a stream;
-	// one stream is read at a time, so that no event is handled twice.
+	// ErrAlreadyRunning: a Run or Start is already reading; one stream is
+	// read at a time, so that no event is handled twice.
 	ErrAlreadyRunning = errors.New("eventmonitor: a stream is already being read (one Run or Start at a time)")
 	// ErrStreamClosed: the subscriber closed its stream without an error.
 	ErrStreamClosed = errors.New("eventmonitor: event stream closed")

@@ -3,7 +3,6 @@ package eventmonitor
 import (
 	"context"
 	"errors"
-	"fmt"
 	"time"
 
 	"github.com/eventmonitor/eventmonitor/internal/keyq"
@@ -18,25 +17,19 @@ type ExitStatus interface {
 // UnknownExitCode is the code reported when the exit status cannot be read.
 const UnknownExitCode = 255
 
-// WatchExit waits in its own goroutine for the exit on exitCh, builds its
-// event with event(code, exitedAt) and hands it to m under key.
+// WatchExit waits in its own goroutine for the exit on exitCh and hands m,
+// under key, the event built by event(code, exitedAt): with UnknownExitCode
+// and the monitor clock's now if Result fails or exitCh closes empty. The exit
+// needs no worker: on an idle key it is handled at once in the watcher's
+// goroutine, with the handle timeout; on a busy key (a call in progress,
+// events queued, or backoff) it joins the tail of the key's queue, so it never
+// runs beside another call for the key nor ahead of earlier events. A failure
+// backs it off like any event.
 //
-// The exit does not wait for a worker: when the key is idle it is handled at
-// once in the watcher's goroutine, with the handle timeout. When the key is
-// busy (a call in progress, events queued, or backoff) the exit joins the
-// tail of the key's queue, so it is never handled beside another call for
-// the key nor ahead of earlier events. A failure sends it to the key's
-// backoff queue like any event.
-//
-// If Result fails, or exitCh is closed without a value, the exit is reported
-// with UnknownExitCode at the monitor clock's now. The returned channel is
-// closed when the exit was handled or queued, when ctx ends (the exit is
-// then not handled), or when Stop begins. An exit that arrives once
-// Shutdown began, or is in exitCh when Stop begins, goes to the drop
-// handler with ErrStopped.
-//
-// A nil m, exitCh or event is a programming error: WatchExit panics at once
-// rather than in its goroutine or never.
+// The returned channel is closed once the exit was handled or queued, ctx
+// ended (the exit is then not handled) or Stop began. An exit arriving after
+// Shutdown began, or waiting in exitCh when Stop begins, is dropped with
+// ErrStopped. A nil m, exitCh or event panics at once, not in the goroutine.
 func WatchExit[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh <-chan S,
 	event func(code uint32, exitedAt time.Time) any) <-chan struct{} {
 	if event == nil {
@@ -48,9 +41,8 @@ func WatchExit[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh
 }
 
 // WatchExitResult is WatchExit with a builder that also sees why the status
-// could not be read: err is nil for a real status, and otherwise Result's
-// error (or one saying exitCh closed without a value), with code
-// UnknownExitCode and exitedAt the monitor clock's now.
+// could not be read: err is nil for a real status, otherwise Result's error or
+// ErrNoExitStatus (with code UnknownExitCode and exitedAt the clock's now).
 func WatchExitResult[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh <-chan S,
 	event func(code uint32, exitedAt time.Time, err error) any) <-chan struct{} {
 	switch {
@@ -93,7 +85,8 @@ func WatchExitResult[S ExitStatus](ctx context.Context, m *Monitor, key string, 
 	return done
 }
 
-// ErrNoExitStatus: an exit channel closed without a value.
+// ErrNoExitStatus is WatchExitResult's error for an exit channel closed
+// without a value.
 var ErrNoExitStatus = errors.New("eventmonitor: exit channel closed without a status")
 
 func (m *Monitor) exitResult(key string, s ExitStatus, received bool) (code uint32, at time.Time, err error) {
@@ -101,36 +94,24 @@ func (m *Monitor) exitResult(key string, s ExitStatus, received bool) (code uint
 		m.cfg.logger.WithField("key", key).Warn("exit channel closed without a status; exit code unknown")
 		return UnknownExitCode, m.cfg.clock.Now(), ErrNoExitStatus
 	}
-	func() {
-		defer func() {
-			if r := recover(); r != nil { // a nil status, for one
-				err = fmt.Errorf("reading the exit status panicked: %v", r)
-			}
-		}()
-		code, at, err = s.Result()
+	defer func() { // runs after panicToErr, so sees a panic's error too
+		if err != nil {
+			m.cfg.logger.WithField("key", key).WithError(err).Warn("cannot read exit status; exit code unknown")
+			code, at = UnknownExitCode, m.cfg.clock.Now()
+		}
 	}()
-	if err != nil {
-		m.cfg.logger.WithField("key", key).WithError(err).Warn("cannot read exit status; exit code unknown")
-		return UnknownExitCode, m.cfg.clock.Now(), err
-	}
-	return code, at, nil
+	defer panicToErr(&err, "reading the exit status panicked: %v") // a nil status, for one
+	return s.Result()
 }
 
-// handleExit accepts the exit event build makes and, when its key is idle,
-// handles it at once on the watcher's goroutine, through the same call path
-// as a worker's but holding no worker slot. Otherwise the exit waits its
-// turn behind the key's other events. The watcher stops counting for Stop
-// before it makes the call: Stop waits for calls, and abandons stuck ones.
+// handleExit accepts the exit event build makes and, on an idle key, handles
+// it at once through a worker's call path but holding no slot. The watcher
+// stops counting for Stop before the call: Stop waits for calls, and abandons
+// stuck ones.
 func (m *Monitor) handleExit(key string, build func() any) {
-	var event any
-	err := func() (err error) {
-		defer func() {
-			if r := recover(); r != nil {
-				err = fmt.Errorf("%w: exit event builder panicked: %v", ErrInvalidEvent, r)
-			}
-		}()
-		event = build()
-		return nil
+	event, err := func() (event any, err error) {
+		defer panicToErr(&err, "%w: exit event builder panicked: %v", ErrInvalidEvent)
+		return build(), nil
 	}()
 	m.mu.Lock()
 	var k *keyq.Key[item]

@@ -8,12 +8,11 @@ import (
 	"strings"
 )
 
-// Handler handles one typed event.
+// Handler handles typed events.
 type Handler interface {
-	// HandleEvent handles one typed event. ctx carries the per-event timeout
-	// and is cancelled when HandleEvent returns; log.G(ctx) is the monitor's
-	// logger with the event's key as a field. A non-nil error (or a panic)
-	// sends the event to its key's backoff queue.
+	// HandleEvent handles one event. ctx carries the per-event timeout and
+	// ends when HandleEvent returns; log.G(ctx) is the monitor's logger with
+	// the event's key. An error or panic sends the event to its key's backoff.
 	HandleEvent(ctx context.Context, event any) error
 }
 
@@ -23,13 +22,10 @@ type HandlerFunc func(ctx context.Context, event any) error
 // HandleEvent calls f.
 func (f HandlerFunc) HandleEvent(ctx context.Context, event any) error { return f(ctx, event) }
 
-// Mux routes each event to the function registered for its Go type. Events of
-// a type with no function are not ours to handle: HandleEvent returns
-// ErrUnsupportedEvent for them, which the monitor counts in Stats.Ignored
-// without retrying, as containerd's monitor skips topics it does not know.
-//
-// Register every type with On before the Mux handles its first event; a Mux
-// is not safe for registration concurrent with handling.
+// Mux routes each event to the function registered for its Go type; for
+// other types it returns ErrUnsupportedEvent, counted in Stats.Ignored and
+// not retried, as containerd skips unknown topics. Call On only before the
+// first event: registration is not safe concurrently with handling.
 type Mux struct {
 	routes map[reflect.Type]func(ctx context.Context, event any) error
 }
@@ -39,10 +35,9 @@ func NewMux() *Mux {
 	return &Mux{routes: make(map[reflect.Type]func(context.Context, any) error)}
 }
 
-// On routes events of type T to fn, replacing an earlier route for T. T is
-// the exact dynamic type (usually a pointer such as *events.TaskExit). A nil
-// m or fn is a programming error: On panics at once, as http.HandleFunc
-// does, rather than when the first event arrives.
+// On routes events of exactly type T (usually a pointer such as
+// *events.TaskExit) to fn, replacing any earlier route for T. A nil m or fn
+// panics at once, as in http.HandleFunc, rather than at the first event.
 func On[T any](m *Mux, fn func(ctx context.Context, event T) error) {
 	if m == nil || m.routes == nil {
 		panic("eventmonitor: On with a nil Mux (make it with NewMux)")
@@ -63,9 +58,8 @@ func (m *Mux) HandleEvent(ctx context.Context, event any) error {
 	return fmt.Errorf("%w: no route for %T", ErrUnsupportedEvent, event)
 }
 
-// isNil reports whether v is nil or an interface holding a nil pointer,
-// func or map, such as HandlerFunc(nil) or (*Mux)(nil): either would panic
-// on every event rather than once, at New.
+// isNil reports whether v is nil or holds a nil pointer, func, map etc. (say
+// HandlerFunc(nil)), for New to reject rather than panic on every event.
 func isNil(v any) bool {
 	if v == nil {
 		return true
@@ -77,12 +71,10 @@ func isNil(v any) bool {
 	return false
 }
 
-// checkRoutes reports a route that can never be called, when the handler
-// and the converter are both this package's own: a route for T beside a
-// converter that keys *T, with no route for *T (or the reverse). Events of
-// *T would all be ignored. A keyed type with no route at all is fine (a
-// converter that keys every runtime event beside a Mux for a few), and so
-// is a route for a type no converter keys (Submit and WatchExit bring them).
+// checkRoutes, given this package's Mux and converter, reports a route for T
+// beside a key for *T (or the reverse) with no route for the keyed type,
+// whose events would all be ignored. Keyed types with no route, and routes
+// for unkeyed types (Submit and WatchExit bring them), are fine.
 func checkRoutes(h Handler, conv Converter) error {
 	mux, ok := h.(*Mux)
 	tc, ok2 := conv.(*typeConverter)
@@ -91,14 +83,12 @@ func checkRoutes(h Handler, conv Converter) error {
 	}
 	var mismatched []string
 	for keyed := range tc.keys {
-		if _, routed := mux.routes[keyed]; routed {
-			continue
-		}
 		twin := reflect.PointerTo(keyed)
 		if keyed.Kind() == reflect.Pointer {
 			twin = keyed.Elem()
 		}
-		if _, routed := mux.routes[twin]; routed {
+		_, routed := mux.routes[keyed]
+		if _, twinRouted := mux.routes[twin]; twinRouted && !routed {
 			mismatched = append(mismatched, fmt.Sprintf("the converter yields %v but the Mux routes %v", keyed, twin))
 		}
 	}

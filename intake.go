@@ -8,17 +8,15 @@ import (
 	"github.com/containerd/log"
 )
 
-// maxIgnoredURLs bounds the type URLs a monitor remembers having ignored, to
-// log each once.
+// maxIgnoredURLs bounds the ignored type URLs remembered for logging once.
 const maxIgnoredURLs = 256
 
 // errFiltered marks an envelope of another namespace: counted, not accepted.
 var errFiltered = errors.New("eventmonitor: envelope of another namespace")
 
-// take accepts one envelope read from a stream: converted without the lock,
-// then accepted, waiting while WithIntakeLimit events wait for a worker (so
-// a flood stays in the runtime, not in our memory) until ctx ends. What
-// cannot be accepted goes to the drop handler with the reason.
+// take converts env without the lock and accepts it, waiting until ctx ends
+// while WithIntakeLimit events wait for a worker, so that a flood stays in
+// the runtime rather than in our memory. What cannot be accepted is dropped.
 func (m *Monitor) take(ctx context.Context, env *Envelope) {
 	m.mu.Lock()
 	m.stream.accepting++ // WaitIdle waits for it
@@ -30,8 +28,7 @@ func (m *Monitor) take(ctx context.Context, env *Envelope) {
 	}
 
 	m.mu.Lock()
-	var drop *Drop
-	firstIgnored := false
+	var report func() // logs and emits, without the lock
 	switch {
 	case errors.Is(err, errFiltered):
 		m.stats.Received++
@@ -39,13 +36,17 @@ func (m *Monitor) take(ctx context.Context, env *Envelope) {
 	case errors.Is(err, ErrUnsupportedEvent):
 		m.stats.Received++
 		m.stats.Ignored++
-		firstIgnored = m.firstIgnored(url)
-	default:
-		for err == nil && (m.state == held || m.state == running) && ctx.Err() == nil &&
-			m.keys.Queued() >= m.cfg.intakeLimit {
-			m.cond.Wait()
+		if m.firstIgnored(url) {
+			report = func() {
+				m.cfg.logger.WithFields(log.Fields{"topic": env.Topic, "namespace": env.Namespace, "type": url}).
+					WithError(err).Debug("ignoring events of a type the converter has no key for; logged once per type")
+			}
 		}
+	default:
 		if err == nil {
+			for (m.state == held || m.state == running) && ctx.Err() == nil && m.keys.Queued() >= m.cfg.intakeLimit {
+				m.cond.Wait()
+			}
 			_, err = m.accept(key, item{event: event, origin: &origin{env.Topic, env.Namespace}}, false)
 		}
 		if err != nil {
@@ -53,32 +54,23 @@ func (m *Monitor) take(ctx context.Context, env *Envelope) {
 			if env != nil {
 				d.Topic, d.Namespace = env.Topic, env.Namespace
 			}
-			drop = &d
+			report = func() {
+				if env != nil {
+					m.cfg.logger.WithFields(log.Fields{"topic": env.Topic, "namespace": env.Namespace, "key": key}).
+						WithError(err).Debug("envelope dropped")
+				}
+				m.emit(d)
+			}
 		}
 	}
-	if drop != nil || firstIgnored {
+	if report != nil {
 		m.mu.Unlock()
-		m.reportEnvelope(env, url, key, err, drop)
+		report()
 		m.mu.Lock()
 	}
 	m.stream.accepting--
 	m.changed()
 	m.mu.Unlock()
-}
-
-func (m *Monitor) reportEnvelope(env *Envelope, url, key string, err error, drop *Drop) {
-	if env == nil {
-		m.emit(*drop)
-		return
-	}
-	entry := m.cfg.logger.WithFields(log.Fields{"topic": env.Topic, "namespace": env.Namespace})
-	if drop == nil {
-		entry.WithField("type", url).WithError(err).
-			Debug("ignoring events of a type the converter has no key for; logged once per type")
-		return
-	}
-	entry.WithField("key", key).WithError(err).Debug("envelope dropped")
-	m.emit(*drop)
 }
 
 // firstIgnored reports whether url is ignored for the first time, up to
@@ -97,11 +89,7 @@ func (m *Monitor) firstIgnored(url string) bool {
 // convert filters env by namespace and runs the converter, turning a panic
 // (say, in a key function) into ErrInvalidEvent.
 func (m *Monitor) convert(env *Envelope) (key string, event any, err error) {
-	defer func() {
-		if r := recover(); r != nil {
-			key, event, err = "", nil, fmt.Errorf("%w: converter panicked: %v", ErrInvalidEvent, r)
-		}
-	}()
+	defer panicToErr(&err, "%w: converter panicked: %v", ErrInvalidEvent) // key and event are still zero
 	switch {
 	case env == nil:
 		return "", nil, fmt.Errorf("%w: nil envelope", ErrInvalidEvent)
@@ -115,4 +103,12 @@ func (m *Monitor) convert(env *Envelope) (key string, event any, err error) {
 		err = fmt.Errorf("%w: converter returned a nil event", ErrInvalidEvent)
 	}
 	return key, event, err
+}
+
+// panicToErr, deferred, turns a panic into *err, formatted from format, args
+// and the panic's value.
+func panicToErr(err *error, format string, args ...any) {
+	if r := recover(); r != nil {
+		*err = fmt.Errorf(format, append(args, r)...)
+	}
 }

@@ -2,21 +2,18 @@ package eventmonitor
 
 import "time"
 
-// Metrics receives the measurements that Stats cannot hold: durations and
-// drops by reason. Counters and gauges are read from Stats at scrape time
-// (see the prometheus module), so they cost nothing on the event path.
-//
-// Methods are called on the monitor's goroutines without its lock held;
-// they must be safe for concurrent use and quick. With no Metrics set the
-// monitor only checks for nil.
+// Metrics receives what Stats cannot hold: durations and drops by reason.
+// Counters and gauges are read from Stats at scrape time (see the prometheus
+// module), costing nothing on the event path. Methods run on the monitor's
+// goroutines without its lock, so must be concurrency-safe and quick. Unset,
+// Metrics costs a nil check.
 type Metrics interface {
-	// HandlerDone is called after every handler call with its duration and
-	// error (nil on success).
+	// HandlerDone reports each handler call's duration and error (nil on success).
 	HandlerDone(d time.Duration, err error)
-	// Recovered is called when an event that failed before is handled
-	// successfully, with the time since its first failure.
+	// Recovered reports an event handled after failing before, with the time
+	// since its first failure.
 	Recovered(sinceFirstFailure time.Duration)
-	// Dropped is called for every drop with its reason and event count.
+	// Dropped reports every drop's reason and event count.
 	Dropped(reason error, events int)
 }
 

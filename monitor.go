@@ -17,8 +17,8 @@ import (
 // than kept in memory.
 const MaxKeyLength = 4096
 
-// lifecycle is the monitor's one state; every transition is in this file
-// or in stop.go.
+// lifecycle is the monitor's one state; its transitions are in New,
+// releaseHold and stop.go.
 type lifecycle uint8
 
 const (
@@ -32,10 +32,9 @@ const (
 // keys and per-key exponential backoff. Create it with New; release it with
 // Stop or Shutdown.
 //
-// One mutex guards everything below it. Every change a waiter may care
-// about ends in changed, which starts workers for ready keys, keeps the
-// scheduler's timer right and wakes every waiter: Stop, Shutdown, WaitIdle
-// and stream intake waiting for room all wait on the one condition.
+// One mutex guards the fields below it. Every change ends in changed, which
+// starts workers, keeps the scheduler's timer right and wakes all who wait
+// on cond (Stop, Shutdown, WaitIdle, stream intake waiting for room).
 type Monitor struct {
 	cfg     config
 	handler Handler
@@ -59,8 +58,8 @@ type Monitor struct {
 	done           chan struct{} // closed when Stop is done
 }
 
-// item is one accepted event in its key's queue. Queues hold many: what
-// only a failed event needs is behind a pointer.
+// item is one accepted event in its key's queue; what only some need is
+// behind pointers, as queues hold many.
 type item struct {
 	event    any
 	origin   *origin   // nil for Submit, Backoff and WatchExit
@@ -132,11 +131,9 @@ func New(h Handler, opts ...Option) (*Monitor, error) {
 	return m, nil
 }
 
-// changed follows every change to the monitor's state: a draining monitor
-// replays every key waiting in backoff at once; overrunning calls give
-// their worker slots to new workers; workers start for ready keys while
-// slots are free; the scheduler's timer follows the heap and
-// the calls; everyone waiting on cond wakes. mu is held.
+// changed follows every change: a draining monitor replays all backoff at
+// once, stuck calls' slots go to new workers, workers start for ready keys
+// while slots are free, the scheduler follows, waiters wake. mu is held.
 func (m *Monitor) changed() {
 	for k := m.keys.Earliest(); k != nil && m.state == draining; k = m.keys.Earliest() {
 		m.replay(k)
@@ -153,11 +150,10 @@ func (m *Monitor) changed() {
 	m.cond.Broadcast()
 }
 
-// Submit hands the monitor a typed event that did not come from its stream
-// (a relist, an exit, a retry from elsewhere). A nil error means the event
-// was accepted: it will be handled, or be in Pending, or reach the drop
-// handler. An error means it was refused and the caller still owns it:
-// ErrStopped once Shutdown or Stop began, ErrQueueFull, ErrInvalidEvent.
+// Submit hands the monitor an event that did not come from its stream (a
+// relist, an exit). Once accepted (nil error) it is handled, in Pending, or
+// dropped; refused, the caller keeps it: ErrStopped once Shutdown or Stop
+// began, ErrQueueFull, ErrInvalidEvent.
 func (m *Monitor) Submit(key string, event any) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -214,11 +210,9 @@ func (m *Monitor) InBackoff(key string) bool {
 	return k != nil && k.InBackoff()
 }
 
-// Forget removes every event of key that has not started handling (in
-// backoff or waiting for a worker) and returns them in order; the caller now
-// owns them. A call in progress for key is not affected (if it fails, its
-// event waits in backoff as any failed event does). Use it when the object
-// behind the key is gone.
+// Forget removes and returns, in order, every event of key not yet started
+// (in backoff or waiting for a worker), for when the object behind key is
+// gone. A call in progress goes on; if it fails, its event backs off.
 func (m *Monitor) Forget(key string) []any {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -242,22 +236,19 @@ func (m *Monitor) NextRetry() (time.Time, bool) {
 	return time.Time{}, false
 }
 
-// WaitIdle waits until the monitor has done all it can with what it was
-// given: no handler call running or being settled, no key waiting for a
-// worker, no stream envelope being accepted, no backoff replay due at the
-// clock's now, and the scheduler's timer set for the next retry (none if
-// no key waits, so that a fake clock's HasWaiters tells the truth). What is
-// left are keys waiting in backoff for a time still to come (see
-// NextRetry). It returns ctx's error if ctx ends first, and ErrStopped once
-// the monitor is stopped. A held monitor (WithDeferredStart) is idle with
-// its events queued.
+// WaitIdle waits until the monitor has done all it can: no call running or
+// being settled, no key waiting for a worker, no envelope being accepted,
+// no replay due at the clock's now, and the timer set for the next retry
+// (none if no key waits, so a fake clock's HasWaiters tells the truth).
+// Keys waiting for a later retry remain (see NextRetry). It returns ctx's
+// error if ctx ends first, ErrStopped once stopped. A held monitor
+// (WithDeferredStart) is idle with its events queued; an overrunning call
+// keeps it busy until it returns.
 //
-// It is the sync point of tests on a fake clock: Submit, WaitIdle, then step
-// the clock to NextRetry and WaitIdle again, with no sleep and no race (see
-// package eventmonitortest). An envelope sent on a subscription's channel
-// may be taken an instant before the reader notes it: tests of stream
-// intake should also wait for Stats().Received (or use testing/synctest).
-// A call that overruns its timeout keeps the monitor busy until it returns.
+// It is the sync point of fake-clock tests: Submit, WaitIdle, step the
+// clock to NextRetry, WaitIdle again (see package eventmonitortest). An
+// envelope may be taken off its channel an instant before the reader notes
+// it: stream tests also wait for Stats().Received (or use testing/synctest).
 func (m *Monitor) WaitIdle(ctx context.Context) error {
 	defer context.AfterFunc(ctx, m.wakeWaiters)()
 	m.mu.Lock()
@@ -291,8 +282,7 @@ func (m *Monitor) idle() bool {
 	return m.timerRight()
 }
 
-// wakeWaiters wakes everyone waiting on cond, for a waiter whose context
-// ended.
+// wakeWaiters wakes all on cond, for a waiter whose ctx ended.
 func (m *Monitor) wakeWaiters() {
 	m.mu.Lock()
 	m.cond.Broadcast()

@@ -8,28 +8,22 @@ import (
 	"github.com/eventmonitor/eventmonitor/internal/keyq"
 )
 
-// Stats holds the monitor's counters and gauges.
-//
-// Every event accepted is counted once in Received and ends in exactly one
-// of Handled, Ignored, Dropped, Forgotten, or the gauges Queued,
-// EventsInBackoff and InFlight; envelopes of other namespaces are Received
-// and Filtered:
+// Stats holds the monitor's counters and gauges. Every envelope read or
+// event accepted is Received once and is in exactly one other term of:
 //
 //	Received = Filtered + Ignored + Handled + Dropped + Forgotten + Queued + EventsInBackoff + InFlight
 type Stats struct {
-	// Received: every envelope read and every accepted Submit or Backoff;
-	// Filtered: envelopes of other namespaces; Ignored: envelopes whose type
-	// the converter does not key and events the handler returned
-	// ErrUnsupportedEvent for (a Mux with no route for the type), which are
-	// not ours to handle and so not drops; Handled: successful handler
-	// calls; Failed: failed ones (panics too); Retried: backoff replays
-	// started; Dropped: events handed to the drop handler; Forgotten: events
-	// returned by Forget; Resubscribed: Run's re-subscriptions.
+	// Received: envelopes read, accepted Submit and Backoff events; Filtered:
+	// other namespaces' envelopes; Ignored: types the converter does not key
+	// or the handler returned ErrUnsupportedEvent for (not ours: not drops);
+	// Handled, Failed: handler calls that succeeded, or failed or panicked;
+	// Retried: backoff replays started; Dropped: events given to the drop
+	// handler; Forgotten: events returned by Forget; Resubscribed: Run's resubscriptions.
 	Received, Filtered, Ignored, Handled, Failed, Retried, Dropped, Forgotten, Resubscribed uint64
-	// InFlight: handler calls running, Overrunning among them; Overrunning:
-	// calls past their handle timeout that have not returned (each holds its
-	// key; see WithMaxOverruns); Queued: events waiting for a worker;
-	// KeysInBackoff, EventsInBackoff: keys and events waiting or replaying.
+	// InFlight: running handler calls, including Overrunning: calls past
+	// their handle timeout, each still holding its key (see
+	// WithMaxOverruns); Queued: events waiting for a worker; KeysInBackoff,
+	// EventsInBackoff: keys and events waiting or replaying.
 	InFlight, Overrunning, Queued, KeysInBackoff, EventsInBackoff int
 }
 
@@ -38,9 +32,7 @@ func (m *Monitor) Stats() Stats {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	s := m.stats
-	s.InFlight = m.calls.inFlight()
-	s.Overrunning = m.calls.stages[overran]
-	s.Queued = m.keys.Queued()
+	s.InFlight, s.Overrunning, s.Queued = m.calls.inFlight(), m.calls.stages[overran], m.keys.Queued()
 	s.KeysInBackoff, s.EventsInBackoff = m.keys.InBackoff()
 	return s
 }
@@ -63,11 +55,11 @@ func (m *Monitor) Pending() []Pending {
 			return
 		}
 		p := Pending{Key: k.Name(), Due: k.Due()}
-		for _, it := range k.Items() {
+		for i, it := range k.Items() {
+			if i == 0 {
+				p.Attempts = it.attempts()
+			}
 			p.Events = append(p.Events, it.event)
-		}
-		if items := k.Items(); len(items) > 0 {
-			p.Attempts = items[0].attempts()
 		}
 		out = append(out, p)
 	})

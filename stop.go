@@ -8,19 +8,14 @@ import (
 	"github.com/eventmonitor/eventmonitor/internal/keyq"
 )
 
-// Stop ends intake, cancels the context of every call in progress and waits
-// for those calls to return; a call still running when it overruns (its
-// deadline plus a grace, see WithHandleTimeout) is abandoned (its event
-// dropped), so Stop returns within about the handle timeout even if a
-// handler ignores its context. Then every event not yet handled, queued or
-// in backoff, goes to the drop handler with ErrStopped. Stop is idempotent
-// and safe to call from several goroutines. It also waits for the reports
-// of calls that returned (their log lines and drops): a drop handler or
-// logger that blocks holds it up.
-//
-// Do not call Stop from a handler: it would wait for that very call until
-// it overruns, then report its event dropped (with WithHandleTimeout(0), for
-// ever). Call go m.Stop() instead.
+// Stop ends intake, cancels every call in progress and waits for them to
+// return, abandoning (and dropping the event of) a call that overruns (see
+// WithHandleTimeout): it returns within about the handle timeout whatever
+// handlers do. Every event left, queued or in backoff, then goes to the
+// drop handler with ErrStopped. It waits for returned calls' reports too (a
+// blocking drop handler or logger holds it up). Stop is idempotent and safe
+// for concurrent use. Do not call it from a handler, which it would wait
+// for until it overruns (or forever, without a timeout): go m.Stop().
 func (m *Monitor) Stop() {
 	m.mu.Lock()
 	m.beginStop()
@@ -49,28 +44,25 @@ func (m *Monitor) beginStop() {
 	m.changed()
 }
 
-// abandon gives up on the calls in a stage from which they may never
-// return, at Stop: each event goes to the drop handler, and the call's
-// goroutine, when the handler finally returns, leaves without touching the
-// monitor. mu is held.
+// abandon gives up, at Stop, on the calls in the given stages: their
+// events are dropped, and their goroutines leave unseen if they ever
+// return. mu is held.
 func (m *Monitor) abandon(stages ...stage) {
 	for c := m.calls.head; c != nil; {
 		next := c.next
 		if slices.Contains(stages, c.stage) {
 			m.calls.remove(c)
 			c.stage = abandoned
-			d := m.drop(c.key.Name(), []any{c.it.event},
-				fmt.Errorf("%w: handler still running at its deadline, abandoned", ErrStopped))
-			d.Topic, d.Namespace = c.it.from()
-			m.abandonedDrops = append(m.abandonedDrops, d)
+			m.abandonedDrops = append(m.abandonedDrops,
+				m.dropCall(c, fmt.Errorf("%w: handler still running at its deadline, abandoned", ErrStopped)))
 		}
 		c = next
 	}
 	m.changed()
 }
 
-// finishStop hands every event left over to the drop handler, once no
-// call is left, and ends the goroutines Stop waits for.
+// finishStop, once no call is left, drops every event left and waits for
+// the scheduler and watchers to leave.
 func (m *Monitor) finishStop() {
 	m.mu.Lock()
 	drops := m.abandonedDrops
@@ -97,17 +89,13 @@ func (m *Monitor) finishStop() {
 	close(m.done)
 }
 
-// Shutdown stops intake (Submit returns ErrStopped from now on), handles
-// everything queued, replays every backoff queue once at once, then Stops.
-// An event that fails during the shutdown, or is still waiting when it
-// stops, goes to the drop handler with ErrStopped.
-//
-// A handler call that overruns its timeout does not hold Shutdown up: once
-// no call is within its deadline and nothing else can move (no worker free
-// for what is queued), Shutdown stops, abandoning the stuck calls. If ctx
-// ends first, Shutdown stops at once, abandoning every call in progress,
-// and returns ctx's error. It returns an error wrapping ErrStopped if it
-// abandoned calls that overran.
+// Shutdown stops intake (Submit returns ErrStopped), handles everything
+// queued, replays every backoff queue once at once, then Stops. An event
+// failing meanwhile, or still waiting at the stop, is dropped with
+// ErrStopped. Overrunning calls do not hold it up: once nothing else can
+// move, it stops, abandoning them, and returns an error wrapping
+// ErrStopped. If ctx ends first it stops at once, abandoning every call in
+// progress, and returns ctx's error.
 func (m *Monitor) Shutdown(ctx context.Context) error {
 	m.endIntake()
 	defer context.AfterFunc(ctx, m.wakeWaiters)()
@@ -139,10 +127,8 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	return nil
 }
 
-// drainable reports whether a drain can still move: a call within its
-// deadline (or being settled) may yet finish, or a ready key has a worker
-// slot free. Calls that overran hold their keys, and possibly slots, for
-// as long as they like. mu is held.
+// drainable reports whether a drain can still move: a call not overran
+// may finish, or a ready key has a free slot. mu is held.
 func (m *Monitor) drainable() bool {
 	moving := m.calls.n - m.calls.stages[overran]
 	return moving > 0 || m.keys.HasReady() && m.calls.slots < m.cfg.workers

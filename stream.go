@@ -1,6 +1,7 @@
 package eventmonitor
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"sync"
@@ -45,12 +46,11 @@ type streamState struct {
 type subscription struct {
 	ch     <-chan *Envelope
 	errs   <-chan error
-	cancel context.CancelFunc // ends the stream
+	cancel context.CancelFunc
 }
 
-// Subscribe subscribes to s for Start, as containerd's CRI monitor does. The
-// subscription lasts until Stop or Shutdown. A second Subscribe before Start
-// replaces the first, whose stream is ended.
+// Subscribe subscribes to s for Start, as containerd's CRI monitor does, until
+// Stop or Shutdown. Subscribing again before Start ends the earlier stream.
 func (m *Monitor) Subscribe(s Subscriber, filters ...string) {
 	if s == nil {
 		panic("eventmonitor: Subscribe with a nil Subscriber")
@@ -67,30 +67,26 @@ func (m *Monitor) Subscribe(s Subscriber, filters ...string) {
 }
 
 // Start reads the stream opened by Subscribe, as containerd's CRI monitor
-// does. The returned channel delivers the stream's error, if it breaks, and
-// is closed when reading ends (on a stream error, or on Stop or Shutdown).
-// The monitor itself goes on after a stream error: Submit, WatchExit and
-// backoff replays keep working until Stop.
+// does. The channel delivers the stream's error if it breaks, ErrStopped after
+// Stop or Shutdown began, ErrNoConverter without WithConverter, or
+// ErrAlreadyRunning while a Run or another Start reads a stream; it is closed
+// when reading ends (stream error, Stop or Shutdown). After a stream error,
+// Submit, WatchExit and backoff replays go on working until Stop.
 //
-// Without Subscribe, Start reads nothing and its channel stays open until
-// Stop, so that it can stand for the monitor's lifetime as containerd's
-// podsandbox controller uses it; no converter is needed then.
-//
-// The channel delivers ErrStopped after Stop or Shutdown began,
-// ErrNoConverter for a subscription without WithConverter, and
-// ErrAlreadyRunning while a Run or another Start is reading a stream.
+// Without Subscribe, Start reads nothing and needs no converter: its channel
+// stays open until Stop, standing for the monitor's lifetime as containerd's
+// podsandbox controller uses it.
 func (m *Monitor) Start() <-chan error {
 	m.mu.Lock()
 	sub := m.stream.subscribed
 	m.stream.subscribed = nil
 	if sub == nil && (m.state == held || m.state == running) {
+		defer m.mu.Unlock()
 		if m.stream.lifetime == nil {
 			m.stream.lifetime = make(chan error)
 		}
 		m.releaseHold()
-		lifetime := m.stream.lifetime
-		m.mu.Unlock()
-		return lifetime
+		return m.stream.lifetime
 	}
 	err := m.beginReading()
 	if err == nil {
@@ -136,7 +132,6 @@ func (m *Monitor) beginReading() error {
 	return nil
 }
 
-// doneReading lets another Run or Start read a stream.
 func (m *Monitor) doneReading() {
 	m.mu.Lock()
 	m.stream.reading = false
@@ -144,15 +139,14 @@ func (m *Monitor) doneReading() {
 }
 
 // Run subscribes to s and handles its events until ctx ends. When the stream
-// breaks it re-subscribes after a backoff (WithResubscribe), reset once a
-// subscription delivers an event, and calls the WithResync hook once the
-// new subscription is established, so that what the broken stream missed
-// can be relisted.
+// breaks it re-subscribes after a backoff (WithResubscribe, reset once a
+// subscription delivers) and, once the new subscription is established,
+// calls the WithResync hook to relist what the broken stream missed.
 //
-// One stream is read at a time: while a Run or Start's reader is reading,
-// Run returns ErrAlreadyRunning at once. Run may be called again after it
-// returned. It returns nil when ctx ends, ErrStopped if the monitor stops
-// first. Run returning does not stop the monitor: call Shutdown or Stop.
+// Run returns ErrAlreadyRunning at once while a Run or Start is reading a
+// stream, nil when ctx ends, and ErrStopped if the monitor stops first. It
+// may be called again after it returned. Returning does not stop the monitor:
+// Shutdown or Stop does.
 func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) error {
 	if s == nil {
 		return fmt.Errorf("%w: Run needs a subscriber", ErrInvalidOption)
@@ -178,10 +172,8 @@ func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) erro
 		if delivered {
 			delay = m.cfg.resubInitial
 		}
-		if err == nil {
-			err = ErrStreamClosed
-		}
-		m.cfg.logger.WithError(err).WithField("delay", delay).Warn("event stream broke; re-subscribing")
+		m.cfg.logger.WithError(cmp.Or(err, ErrStreamClosed)).WithField("delay", delay).
+			Warn("event stream broke; re-subscribing")
 		select {
 		case <-runCtx.Done():
 		case <-m.cfg.clock.After(delay):
@@ -203,12 +195,10 @@ func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) erro
 }
 
 // runOnce reads one subscription of Run's until it breaks or ctx ends. After
-// an outage (resync set) the resync hook runs once the subscription is
-// established, beside the reading, and runOnce waits for it to return.
-//
-// A subscription counts as established when it delivers an envelope or
-// stays unrefused for the initial resubscribe delay: a daemon that is still
-// down refuses at once, and relisting against it would be wasted.
+// an outage it runs the resync hook beside the reading once the subscription
+// is established, and waits for it. Established means it delivered or went
+// unrefused for the initial resubscribe delay: a daemon still down refuses at
+// once, and relisting against it would be wasted.
 func (m *Monitor) runOnce(ctx context.Context, s Subscriber, filters []string, resync bool) (delivered bool, err error) {
 	subCtx, cancelSub := context.WithCancel(ctx)
 	defer cancelSub()
@@ -232,10 +222,9 @@ func (m *Monitor) runOnce(ctx context.Context, s Subscriber, filters []string, r
 	return delivered, err
 }
 
-// consume reads one subscription until it breaks or ctx ends. It reports
-// whether any envelope arrived, and the stream's error (nil when ctx ended
-// or errs was closed without one). established, if not nil, is called once
-// the subscription is established (see runOnce).
+// consume reads sub until it breaks or ctx ends, reporting whether any
+// envelope arrived and the stream's error (nil when ctx ended or errs closed
+// without one). A non-nil established is called once sub is established.
 func (m *Monitor) consume(ctx context.Context, sub *subscription, established func()) (delivered bool, err error) {
 	defer context.AfterFunc(ctx, m.wakeWaiters)() // intake waiting for room gives up
 	var settled <-chan time.Time
@@ -264,26 +253,20 @@ func (m *Monitor) consume(ctx context.Context, sub *subscription, established fu
 			establish()
 			m.take(ctx, env)
 		case err, ok := <-sub.errs:
-			if !ok {
-				return delivered, nil
-			}
-			if err != nil {
+			if !ok || err != nil {
 				return delivered, err
 			}
 		}
 	}
 }
 
-// closedErr is the error of a stream whose envelope channel closed. A
-// subscriber may send its error and close both channels at once: report the
-// error, not just the closing.
+// closedErr is the error of a stream whose envelope channel closed: a
+// subscriber may send its error and close both channels at once.
 func (s *subscription) closedErr() error {
 	select {
 	case err := <-s.errs:
-		if err != nil {
-			return err
-		}
+		return cmp.Or(err, ErrStreamClosed)
 	default:
+		return ErrStreamClosed
 	}
-	return ErrStreamClosed
 }

@@ -1,8 +1,8 @@
-// Package keyq is the monitor's data structure: a FIFO queue per key, each
-// key's phase, its backoff, the run queue of ready keys and the heap of keys
-// waiting for a retry. It has no locks, no goroutines and no clock: the
-// monitor serialises every call and passes the time in. That keeps every
-// rule about a key's life in this one file, testable on plain times.
+// Package keyq is the monitor's data structure: each key's FIFO queue,
+// phase and backoff, the run queue of ready keys and the heap of waiting
+// ones. It has no locks, goroutines or clock (the monitor serialises every
+// call and passes the time in), so every rule of a key's life is here,
+// testable on plain times.
 //
 // A key is in exactly one phase:
 //
@@ -15,11 +15,10 @@
 // moves it out again, so a key is never on two goroutines.
 //
 // Backoff: a failed event goes back to the head of its key's queue and the
-// key waits. When due, every event then queued is the replay, handled in
-// order; once all of them are done with the key leaves backoff. A replay
-// that fails before handling any of its events doubles the delay (up to the
-// cap); any other failure waits the initial delay, so a key with
-// independent failures keeps moving.
+// key waits. When due, the events then queued are the replay; once all are
+// done with, the key leaves backoff. A replay failing before it handled any
+// event doubles the delay (up to the cap); any other failure waits the
+// initial delay, so a key with independent failures keeps moving.
 package keyq
 
 import (
@@ -45,8 +44,7 @@ type Delays struct {
 	Rand         func() float64 // [0, 1); needed only with Jitter
 }
 
-// Key is one key's queue and state. Read it through its methods; only Set
-// changes it.
+// Key is one key's queue and state; only Set changes it.
 type Key[T any] struct {
 	name    string
 	phase   Phase
@@ -60,9 +58,9 @@ type Key[T any] struct {
 type backoff struct {
 	delay      time.Duration
 	due        time.Time // when the replay starts; kept while the key waits
-	replayLeft int       // replay events at the head of the queue, not yet taken
+	replayLeft int       // replay events at the queue's head not yet taken
 	begun      bool      // the replay's first event was taken
-	inCall     bool      // the call in progress is one of the replay's
+	inCall     bool      // the call in progress is the replay's
 	progressed bool      // the replay handled one of its events
 }
 
@@ -72,7 +70,7 @@ func (k *Key[T]) Len() int        { return len(k.items) }
 func (k *Key[T]) Items() []T      { return k.items }
 func (k *Key[T]) InBackoff() bool { return k.backoff != nil }
 
-// Due is when a key in backoff replays (in the past while it replays).
+// Due is when a key in backoff replays (past while it replays).
 func (k *Key[T]) Due() time.Time {
 	if k.backoff == nil {
 		return time.Time{}
@@ -80,7 +78,7 @@ func (k *Key[T]) Due() time.Time {
 	return k.backoff.due
 }
 
-// Delay is the backoff delay the key waits, 0 outside backoff.
+// Delay is the key's backoff delay, 0 outside backoff.
 func (k *Key[T]) Delay() time.Duration {
 	if k.backoff == nil {
 		return 0
@@ -95,7 +93,7 @@ type Set[T any] struct {
 	ready   runQueue[T]
 	waiting dueHeap[T]
 
-	// Gauges, kept by count and uncount around every change to a key.
+	// Gauges: uncount and count bracket every change to a key.
 	events, backoffKeys, backoffEvents int
 }
 
@@ -147,9 +145,9 @@ func (s *Set[T]) Push(name string, it T) *Key[T] {
 	return k
 }
 
-// PushBackoff appends it to key's queue and, unless the key is in backoff
-// already, puts it in backoff with the initial delay from now. A Running
-// key starts waiting when its call ends.
+// PushBackoff appends it to key's queue and, unless in backoff already,
+// puts the key in backoff for the initial delay from now (a Running key
+// waits from its call's end).
 func (s *Set[T]) PushBackoff(name string, it T, now time.Time) *Key[T] {
 	k := s.Push(name, it)
 	if k.backoff != nil {
@@ -165,20 +163,16 @@ func (s *Set[T]) PushBackoff(name string, it T, now time.Time) *Key[T] {
 }
 
 // Take moves the first Ready key to Running and returns it with its head
-// event, or nil if no key is ready. replayStart reports that the event is
-// the first of a replay.
+// event (nil if none is ready); replayStart: the event starts a replay.
 func (s *Set[T]) Take() (k *Key[T], it T, replayStart bool) {
-	if s.ready.head == nil {
+	if k = s.ready.head; k == nil {
 		return nil, it, false
 	}
-	k = s.ready.head
-	it, replayStart = s.TakeKey(k)
+	it, replayStart = s.take(k)
 	return k, it, replayStart
 }
 
-// TakeKey moves k, which must be Ready, to Running and returns its head
-// event; see Take.
-func (s *Set[T]) TakeKey(k *Key[T]) (it T, replayStart bool) {
+func (s *Set[T]) take(k *Key[T]) (it T, replayStart bool) {
 	s.uncount(k)
 	s.moveTo(k, Running)
 	it = k.pop()
@@ -191,20 +185,20 @@ func (s *Set[T]) TakeKey(k *Key[T]) (it T, replayStart bool) {
 	return it, replayStart
 }
 
-// TakeAlone takes k, as TakeKey does, if it is Ready with only the event
-// just pushed and not in backoff: nothing of the key is before that event,
-// so it may be handled at once on the caller's goroutine.
+// TakeAlone takes k, as Take would, if its one event is the one just
+// pushed and it is not in backoff: nothing of the key comes before it, so
+// the caller may handle it at once on its own goroutine.
 func (s *Set[T]) TakeAlone(k *Key[T]) (it T, ok bool) {
 	if k.phase != Ready || len(k.items) != 1 || k.backoff != nil {
 		return it, false
 	}
-	it, _ = s.TakeKey(k)
+	it, _ = s.take(k)
 	return it, true
 }
 
-// Done ends k's call, whose event is finished with: handled (progressed)
-// or given up on. The key leaves backoff once its replay is done, then goes
-// on to wait (a PushBackoff during the call), to Ready, or to Idle.
+// Done ends k's call, its event handled (progressed) or given up on. The
+// key leaves backoff once its replay is done, then waits (a PushBackoff
+// during the call), is Ready, or Idle.
 func (s *Set[T]) Done(k *Key[T], progressed bool) {
 	s.uncount(k)
 	if b := k.backoff; b != nil && b.inCall {
@@ -225,9 +219,8 @@ func (s *Set[T]) Done(k *Key[T], progressed bool) {
 	s.count(k)
 }
 
-// Failed ends k's call by putting its event it back at the head of the
-// queue; the key waits. A key already given a due time while the call ran
-// (PushBackoff) keeps it.
+// Failed ends k's call with its event it back at the head; the key waits
+// (keeping a due time PushBackoff gave it during the call).
 func (s *Set[T]) Failed(k *Key[T], it T, now time.Time) {
 	s.uncount(k)
 	k.items = slices.Insert(k.items, 0, it) // failures are rare: a copy is fine
@@ -245,8 +238,7 @@ func (s *Set[T]) Failed(k *Key[T], it T, now time.Time) {
 	s.count(k)
 }
 
-// Replay starts k's replay: k, which must be Waiting, becomes Ready with
-// every event it holds now as the replay.
+// Replay makes Waiting k Ready, every event it holds now its replay.
 func (s *Set[T]) Replay(k *Key[T]) {
 	s.uncount(k)
 	k.backoff.replayLeft, k.backoff.begun, k.backoff.progressed = len(k.items), false, false
@@ -254,8 +246,8 @@ func (s *Set[T]) Replay(k *Key[T]) {
 	s.count(k)
 }
 
-// Forget removes every queued event of key and returns them in order; the
-// key leaves backoff. A Running key stays Running, with its call.
+// Forget removes and returns key's queued events, in order; the key leaves
+// backoff. A Running key stays Running until its call ends.
 func (s *Set[T]) Forget(name string) []T {
 	k := s.keys[name]
 	if k == nil {
@@ -272,8 +264,7 @@ func (s *Set[T]) Forget(name string) []T {
 	return items
 }
 
-// moveTo changes k's phase, entering and leaving the run queue, the heap
-// and the map as the phases require.
+// moveTo changes k's phase, and its place in the run queue, heap and map.
 func (s *Set[T]) moveTo(k *Key[T], p Phase) {
 	switch k.phase {
 	case Ready:
@@ -293,9 +284,8 @@ func (s *Set[T]) moveTo(k *Key[T], p Phase) {
 	}
 }
 
-// pop removes the head event. The array is reused from its start once
-// empty; otherwise the head moves up it and append's next growth leaves
-// the dead part behind.
+// pop removes the head event. An emptied array is reused from its start;
+// otherwise append's next growth leaves the part popped behind.
 func (k *Key[T]) pop() T {
 	var zero T
 	it := k.items[0]
@@ -328,7 +318,7 @@ func doubled(d, limit time.Duration) time.Duration {
 }
 
 // dueAfter is now plus d spread by the jitter, saturating rather than
-// overflowing for delays near the largest Duration.
+// overflowing near the largest Duration.
 func (s *Set[T]) dueAfter(now time.Time, d time.Duration) time.Time {
 	if j := s.delays.Jitter; j > 0 {
 		spread := float64(d) * (1 + j*(2*s.delays.Rand()-1))
