@@ -28,42 +28,7 @@ func (m *Monitor) take(ctx context.Context, env *Envelope) {
 	}
 
 	m.mu.Lock()
-	var report func() // logs and emits, without the lock
-	switch {
-	case errors.Is(err, errFiltered):
-		m.stats.Received++
-		m.stats.Filtered++
-	case errors.Is(err, ErrUnsupportedEvent):
-		m.stats.Received++
-		m.stats.Ignored++
-		if m.firstIgnored(url) {
-			report = func() {
-				m.cfg.logger.WithFields(log.Fields{"topic": env.Topic, "namespace": env.Namespace, "type": url}).
-					WithError(err).Debug("ignoring events of a type the converter has no key for; logged once per type")
-			}
-		}
-	default:
-		if err == nil {
-			for (m.state == held || m.state == running) && ctx.Err() == nil && m.keys.Queued() >= m.cfg.intakeLimit {
-				m.cond.Wait()
-			}
-			_, err = m.accept(key, item{event: event, origin: &origin{env.Topic, env.Namespace}}, false)
-		}
-		if err != nil {
-			d := m.refuse(key, event, err)
-			if env != nil {
-				d.Topic, d.Namespace = env.Topic, env.Namespace
-			}
-			report = func() {
-				if env != nil {
-					m.cfg.logger.WithFields(log.Fields{"topic": env.Topic, "namespace": env.Namespace, "key": key}).
-						WithError(err).Debug("envelope dropped")
-				}
-				m.emit(d)
-			}
-		}
-	}
-	if report != nil {
+	if report := m.admit(ctx, env, key, event, url, err); report != nil {
 		m.mu.Unlock()
 		report()
 		m.mu.Lock()
@@ -71,6 +36,45 @@ func (m *Monitor) take(ctx context.Context, env *Envelope) {
 	m.stream.accepting--
 	m.changed()
 	m.mu.Unlock()
+}
+
+// admit counts a converted envelope, or accepts its event, and returns what
+// to log and emit once mu is released, if anything. mu is held.
+func (m *Monitor) admit(ctx context.Context, env *Envelope, key string, event any, url string, err error) (report func()) {
+	switch {
+	case errors.Is(err, errFiltered):
+		m.stats.Received++
+		m.stats.Filtered++
+		return nil
+	case errors.Is(err, ErrUnsupportedEvent):
+		m.stats.Received++
+		m.stats.Ignored++
+		if !m.firstIgnored(url) {
+			return nil
+		}
+		return func() {
+			m.cfg.logger.WithFields(log.Fields{"topic": env.Topic, "namespace": env.Namespace, "type": url}).
+				WithError(err).Debug("ignoring events of a type the converter has no key for; logged once per type")
+		}
+	}
+	if err == nil {
+		for (m.state == held || m.state == running) && ctx.Err() == nil && m.keys.Queued() >= m.cfg.intakeLimit {
+			m.cond.Wait()
+		}
+		if _, err = m.accept(key, item{event: event, origin: &origin{env.Topic, env.Namespace}}, false); err == nil {
+			return nil
+		}
+	}
+	d := m.refuse(key, event, err)
+	if env == nil {
+		return func() { m.emit(d) }
+	}
+	d.Topic, d.Namespace = env.Topic, env.Namespace
+	return func() {
+		m.cfg.logger.WithFields(log.Fields{"topic": env.Topic, "namespace": env.Namespace, "key": key}).
+			WithError(err).Debug("envelope dropped")
+		m.emit(d)
+	}
 }
 
 // firstIgnored reports whether url is ignored for the first time, up to
