@@ -32,10 +32,10 @@ type call struct {
 	context.Context
 	cancel      context.CancelCauseFunc
 	key         *keyq.Key[item] // its name never changes: read it anywhere
-	it          item
-	start       time.Time // read only with a deadline or metrics
-	deadline    time.Time // zero: none (WithHandleTimeout(0))
-	replayStart bool      // its event is the first of a replay: logged as a retry
+	it          item            // its failures change only under mu, by the call's own goroutine
+	start       time.Time       // read only with a deadline or metrics
+	deadline    time.Time       // zero: none (WithHandleTimeout(0))
+	replayStart bool            // its event is the first of a replay: logged as a retry
 
 	// Guarded by Monitor.mu.
 	slot       bool // it holds one of the WithWorkers slots

@@ -32,9 +32,9 @@ const (
 // keys and per-key exponential backoff. Create it with New; release it with
 // Stop or Shutdown.
 //
-// One mutex guards the fields below it. Every change ends in changed, which
-// starts workers, keeps the scheduler's timer right and wakes all who wait
-// on cond (Stop, Shutdown, WaitIdle, stream intake waiting for room).
+// mu guards the fields from cond to stream. Every change ends in changed,
+// which starts workers, keeps the scheduler's timer right and wakes all who
+// wait on cond (Stop, Shutdown, WaitIdle, stream intake waiting for room).
 type Monitor struct {
 	cfg     config
 	handler Handler

@@ -191,8 +191,8 @@ type overrun struct {
 }
 
 // expire ends the context of calls past their deadline and, after the
-// grace, marks them overran, slots given to new workers by replaceStuck
-// (called by changed). mu is held.
+// grace, marks them overran and has replaceStuck give their slots to new
+// workers. mu is held.
 func (m *Monitor) expire(now time.Time) []overrun {
 	var stuck []*call
 	for c := m.calls.head; c != nil; c = c.next {
@@ -211,7 +211,8 @@ func (m *Monitor) expire(now time.Time) []overrun {
 	m.replaceStuck()
 	var out []overrun
 	for _, c := range stuck {
-		out = append(out, overrun{limited: c.slot, fields: log.Fields{
+		// At Stop no slot is given away, and no limit was reached.
+		out = append(out, overrun{limited: c.slot && m.state != stopped, fields: log.Fields{
 			"key": c.key.Name(), "running": now.Sub(c.start), "replaced": c.replaced}})
 	}
 	return out

@@ -13,9 +13,10 @@ import (
 //
 //	Received = Filtered + Ignored + Handled + Dropped + Forgotten + Queued + EventsInBackoff + InFlight
 type Stats struct {
-	// Received: envelopes read, accepted Submit and Backoff events; Filtered:
-	// other namespaces' envelopes; Ignored: types the converter does not key
-	// or the handler returned ErrUnsupportedEvent for (not ours: not drops);
+	// Received: envelopes read, and events accepted or, with no caller to
+	// refuse (Backoff, exits), dropped; Filtered: other namespaces'
+	// envelopes; Ignored: types the converter does not key or the handler
+	// returned ErrUnsupportedEvent for (not ours: not drops);
 	// Handled, Failed: handler calls that succeeded, or failed or panicked;
 	// Retried: backoff replays started; Dropped: events given to the drop
 	// handler; Forgotten: events returned by Forget; Resubscribed: Run's resubscriptions.

@@ -11,8 +11,8 @@
 //	Running  a handler call for its head event is in progress
 //	Waiting  in backoff, in the heap until its due time
 //
-// Only Take moves a key to Running and only a call's end (Done, Failed)
-// moves it out again, so a key is never on two goroutines.
+// Only Take and TakeAlone move a key to Running and only a call's end
+// (Done, Failed) moves it out again, so a key is never on two goroutines.
 //
 // Backoff: a failed event goes back to the head of its key's queue and the
 // key waits. When due, the events then queued are the replay; once all are
@@ -146,8 +146,8 @@ func (s *Set[T]) Push(name string, it T) *Key[T] {
 }
 
 // PushBackoff appends it to key's queue and, unless in backoff already,
-// puts the key in backoff for the initial delay from now (a Running key
-// waits from its call's end).
+// puts the key in backoff, due the initial delay from now (a Running key
+// starts waiting when its call ends).
 func (s *Set[T]) PushBackoff(name string, it T, now time.Time) *Key[T] {
 	k := s.Push(name, it)
 	if k.backoff != nil {

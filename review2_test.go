@@ -1,0 +1,266 @@
+package eventmonitor
+
+import (
+	"context"
+	"errors"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// r2Balanced checks the Stats identity.
+func r2Balanced(t *testing.T, s Stats) {
+	t.Helper()
+	sum := s.Filtered + s.Ignored + s.Handled + s.Dropped + s.Forgotten +
+		uint64(s.Queued+s.EventsInBackoff+s.InFlight)
+	assert.Equal(t, s.Received, sum, "Stats identity: %+v", s)
+}
+
+type r2PtrExit struct{ code uint32 }
+
+func (p *r2PtrExit) Result() (uint32, time.Time, error) { return p.code, time.Time{}, nil }
+
+type r2Exit struct {
+	code uint32
+	at   time.Time
+	err  error
+}
+
+func (e r2Exit) Result() (uint32, time.Time, error) { return e.code, e.at, e.err }
+
+type r2ExitSeen struct {
+	code uint32
+	at   time.Time
+	err  error
+}
+
+// panicToErr now serves exitResult: a status whose Result panics or fails
+// gives UnknownExitCode at the clock's now, with the panic or Result's error.
+func TestReview2ExitResultOnPanicAndError(t *testing.T) {
+	h := newHarness(t, HandlerFunc(func(context.Context, any) error { return nil }))
+	h.clock.Step(time.Hour)
+	now := h.clock.Now()
+	seen := make(chan r2ExitSeen, 3)
+	build := func(code uint32, at time.Time, err error) any {
+		seen <- r2ExitSeen{code, at, err}
+		return code
+	}
+
+	// Result panics: a nil *r2PtrExit.
+	pch := make(chan *r2PtrExit, 1)
+	pch <- nil
+	<-WatchExitResult(context.Background(), h.m, "p", pch, build)
+	got := <-seen
+	assert.Equal(t, uint32(UnknownExitCode), got.code)
+	assert.Equal(t, now, got.at)
+	require.Error(t, got.err)
+	assert.Contains(t, got.err.Error(), "reading the exit status panicked")
+
+	// Result fails, with a code and time that must not be used.
+	boom := errors.New("boom")
+	ech := make(chan r2Exit, 1)
+	ech <- r2Exit{code: 7, at: epoch.Add(-time.Minute), err: boom}
+	<-WatchExitResult(context.Background(), h.m, "e", ech, build)
+	got = <-seen
+	assert.Equal(t, r2ExitSeen{UnknownExitCode, now, boom}, got)
+
+	// A real status passes through untouched.
+	ech <- r2Exit{code: 3, at: epoch.Add(-time.Minute)}
+	<-WatchExitResult(context.Background(), h.m, "ok", ech, build)
+	assert.Equal(t, r2ExitSeen{3, epoch.Add(-time.Minute), nil}, <-seen)
+
+	// The builder panicking is a drop of nothing, counted once.
+	ech <- r2Exit{code: 1}
+	<-WatchExitResult(context.Background(), h.m, "bp", ech, func(uint32, time.Time, error) any { panic("bad builder") })
+	drops := h.drops.all()
+	require.Len(t, drops, 1)
+	assert.ErrorIs(t, drops[0].Reason, ErrInvalidEvent)
+	assert.Nil(t, drops[0].Events)
+	h.settled(t)
+	r2Balanced(t, h.m.Stats())
+}
+
+// dropByOrigin was rewritten: at Stop a key's queue goes out as one Drop
+// per run of the same topic and namespace, in order.
+func TestReview2StopDropsRunsByOrigin(t *testing.T) {
+	first := make(chan struct{})
+	var once sync.Once
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		once.Do(func() { close(first) })
+		<-ctx.Done() // the first call holds the key until Stop
+		return ctx.Err()
+	}), WithConverter(testConverter))
+	stream := newFakeStream()
+	h.m.Subscribe(stream)
+	h.m.Start()
+	sub := <-stream.newSub
+	n := 0
+	send := func(topic, ns string) {
+		n++
+		sub.send(t, &Envelope{Topic: topic, Namespace: ns, Event: payload(t, &jsonEvent{ID: "k", Code: n})})
+		want := uint64(n)
+		waitFor(t, func() bool { return h.m.Stats().Received == want }, "envelope %d accepted", n)
+	}
+	submit := func() {
+		n++
+		require.NoError(t, h.m.Submit("k", &jsonEvent{ID: "k", Code: n}))
+	}
+	send("/a", "ns") // 1: in flight
+	<-first
+	send("/a", "ns") // 2
+	send("/a", "ns") // 3
+	submit()         // 4
+	send("/b", "ns") // 5
+	send("/a", "ns") // 6
+	send("", "")     // 7: an envelope with no topic or namespace
+	submit()         // 8
+	send("/a", "ns") // 9
+	h.m.Stop()
+
+	drops := h.drops.all()
+	type group struct {
+		topic, ns string
+		codes     []int
+	}
+	var got []group
+	for _, d := range drops {
+		var codes []int
+		for _, e := range d.Events {
+			codes = append(codes, e.(*jsonEvent).Code)
+		}
+		assert.Equal(t, "k", d.Key)
+		assert.ErrorIs(t, d.Reason, ErrStopped)
+		got = append(got, group{d.Topic, d.Namespace, codes})
+	}
+	assert.Equal(t, []group{
+		{"/a", "ns", []int{1}}, // failed while shutting down
+		{"/a", "ns", []int{2, 3}},
+		{"", "", []int{4}},
+		{"/b", "ns", []int{5}},
+		{"/a", "ns", []int{6}},
+		{"", "", []int{7, 8}},
+		{"/a", "ns", []int{9}},
+	}, got)
+	r2Balanced(t, h.m.Stats())
+}
+
+type r2Big struct {
+	key string
+	seq int
+	pad [1 << 16]byte
+}
+
+// r2Collected runs the collector until the finalizer behind done ran.
+func r2Collected(done *atomic.Bool) bool {
+	for range 5 {
+		runtime.GC()
+		runtime.GC() // the first queues the finalizer, the second lets it run
+		if done.Load() {
+			return true
+		}
+	}
+	return false
+}
+
+// keyq's queue is now a plain slice: an event handled (or popped into a
+// call) must not stay reachable through the key's array while the key
+// stays busy, nor after a failure put it back with slices.Insert.
+func TestReview2PoppedEventNotRetained(t *testing.T) {
+	gates := map[int]chan struct{}{}
+	started := map[int]chan struct{}{}
+	for i := 1; i <= 6; i++ {
+		gates[i], started[i] = make(chan struct{}), make(chan struct{})
+	}
+	var failOnce sync.Once
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		seq := e.(*r2Big).seq
+		select {
+		case <-started[seq]:
+		default:
+			close(started[seq])
+		}
+		<-gates[seq]
+		if seq == 2 {
+			var err error
+			failOnce.Do(func() { err = errors.New("once") })
+			return err
+		}
+		return nil
+	}), WithBackoff(time.Second, time.Minute))
+	t.Cleanup(func() {
+		for _, g := range gates {
+			select {
+			case <-g:
+			default:
+				close(g)
+			}
+		}
+	})
+	ptrs := make([]*atomic.Bool, 6)
+	for i := 1; i <= 6; i++ {
+		e := &r2Big{key: "k", seq: i}
+		done := new(atomic.Bool)
+		runtime.SetFinalizer(e, func(*r2Big) { done.Store(true) })
+		ptrs[i-1] = done
+		require.NoError(t, h.m.Submit("k", e))
+	}
+	<-started[1]
+	close(gates[1])
+	<-started[2]
+	assert.True(t, r2Collected(ptrs[0]), "event 1, handled, still reachable while its key is busy")
+	close(gates[2]) // fails: back at the head with slices.Insert, the key waits
+	h.settled(t)
+	require.Equal(t, 5, h.m.Stats().EventsInBackoff)
+	h.clock.Step(time.Second) // replay: 2 succeeds now, 3 blocks
+	<-started[3]
+	assert.True(t, r2Collected(ptrs[1]), "event 2, failed then handled, still reachable")
+	close(gates[3])
+	<-started[4]
+	assert.True(t, r2Collected(ptrs[2]), "event 3 still reachable")
+	for i := 4; i <= 6; i++ {
+		close(gates[i])
+	}
+	h.settled(t)
+	for i, p := range ptrs {
+		assert.True(t, r2Collected(p), "event %d still reachable once its key is idle", i+1)
+	}
+	r2Balanced(t, h.m.Stats())
+}
+
+// At Stop, replaceStuck gives no slot away, so expire reports the one call
+// that overruns while Stop waits as "limited": an Error saying
+// WithMaxOverruns was reached, with one overrun of 64 allowed.
+func TestReview2StopOverrunNotReportedAsLimited(t *testing.T) {
+	release := make(chan struct{})
+	startedCh := make(chan struct{})
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		close(startedCh)
+		<-release // ignores ctx
+		return nil
+	}), WithHandleTimeout(time.Second))
+	t.Cleanup(func() { close(release) })
+	require.NoError(t, h.m.Submit("a", "a"))
+	<-startedCh
+	stopped := make(chan struct{})
+	go func() { h.m.Stop(); close(stopped) }()
+	waitFor(t, h.stopping, "Stop began")
+	// Wait until the scheduler armed for a's deadline, then pass it and the grace.
+	rvArmed(t, h.m, func(at time.Time) bool { return at.Equal(epoch.Add(time.Second)) })
+	h.clock.Step(time.Second)
+	rvArmed(t, h.m, func(at time.Time) bool { return at.Equal(epoch.Add(time.Second + 100*time.Millisecond)) })
+	h.clock.Step(100 * time.Millisecond)
+	select {
+	case <-stopped:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Stop did not abandon the overrunning call")
+	}
+	for _, e := range h.logs.AllEntries() {
+		assert.NotContains(t, e.Message, "too many handler calls overrunning",
+			"one overrun of %d allowed reported as over the limit: %v", DefaultMaxOverruns, e.Data)
+	}
+}
