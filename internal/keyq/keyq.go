@@ -22,7 +22,6 @@
 package keyq
 
 import (
-	"math"
 	"slices"
 	"time"
 )
@@ -37,13 +36,6 @@ const (
 	Waiting
 )
 
-// Delays is the backoff policy.
-type Delays struct {
-	Initial, Max time.Duration
-	Jitter       float64        // 0..1: spread each delay by up to ±Jitter of itself
-	Rand         func() float64 // [0, 1); needed only with Jitter
-}
-
 // Key is one key's queue and state; only Set changes it.
 type Key[T any] struct {
 	name    string
@@ -53,15 +45,6 @@ type Key[T any] struct {
 	prev    *Key[T]  // run queue links, while Ready
 	next    *Key[T]
 	index   int // in the heap, while Waiting
-}
-
-type backoff struct {
-	delay      time.Duration
-	due        time.Time // when the replay starts; kept while the key waits
-	replayLeft int       // replay events at the queue's head not yet taken
-	begun      bool      // the replay's first event was taken
-	inCall     bool      // the call in progress is the replay's
-	progressed bool      // the replay handled one of its events
 }
 
 func (k *Key[T]) Name() string    { return k.name }
@@ -307,29 +290,4 @@ func (s *Set[T]) gauge(k *Key[T], sign int) {
 		s.backoffKeys += sign
 		s.backoffEvents += sign * len(k.items)
 	}
-}
-
-// doubled is 2d, capped at limit, without overflowing.
-func doubled(d, limit time.Duration) time.Duration {
-	if d >= limit/2 {
-		return limit
-	}
-	return 2 * d
-}
-
-// dueAfter is now plus d spread by the jitter, saturating rather than
-// overflowing near the largest Duration.
-func (s *Set[T]) dueAfter(now time.Time, d time.Duration) time.Time {
-	if j := s.delays.Jitter; j > 0 {
-		spread := float64(d) * (1 + j*(2*s.delays.Rand()-1))
-		switch {
-		case spread >= math.MaxInt64: // float64(MaxInt64) is 2^63: not a Duration
-			d = math.MaxInt64
-		case spread < 1:
-			d = 1
-		default:
-			d = time.Duration(spread)
-		}
-	}
-	return now.Add(d)
 }
