@@ -242,7 +242,7 @@ func itemFields(key string, it item) log.Fields {
 // counted by stage and by worker slots held.
 type callList struct {
 	head, tail *call
-	n, slots   int
+	slots      int
 	stages     [numStages]int
 }
 
@@ -254,7 +254,6 @@ func (l *callList) push(c *call) {
 		l.tail.next = c
 	}
 	l.tail = c
-	l.n++
 	l.stages[c.stage]++
 	if c.slot {
 		l.slots++
@@ -273,7 +272,6 @@ func (l *callList) remove(c *call) {
 		c.next.prev = c.prev
 	}
 	c.prev, c.next = nil, nil
-	l.n--
 	l.stages[c.stage]--
 	l.freeSlot(c)
 }
@@ -290,6 +288,15 @@ func (l *callList) freeSlot(c *call) {
 		c.slot = false
 		l.slots--
 	}
+}
+
+// len is the calls in the list.
+func (l *callList) len() int {
+	n := 0
+	for _, k := range l.stages {
+		n += k
+	}
+	return n
 }
 
 // inFlight is the calls whose event is not settled yet.

@@ -192,8 +192,10 @@ func (m *Monitor) accept(key string, it item, backoff bool) (*keyq.Key[item], er
 	case it.event == nil:
 		return nil, fmt.Errorf("%w: nil event for key %q", ErrInvalidEvent, key)
 	}
-	if k := m.keys.Get(key); k != nil && m.cfg.maxQueuedPerKey > 0 && k.Len() >= m.cfg.maxQueuedPerKey {
-		return nil, fmt.Errorf("%w: key %q holds %d events", ErrQueueFull, key, k.Len())
+	if limit := m.cfg.maxQueuedPerKey; limit > 0 {
+		if k := m.keys.Get(key); k != nil && k.Len() >= limit {
+			return nil, fmt.Errorf("%w: key %q holds %d events", ErrQueueFull, key, k.Len())
+		}
 	}
 	m.stats.Received++
 	if backoff {
@@ -268,7 +270,7 @@ func (m *Monitor) WaitIdle(ctx context.Context) error {
 
 // idle reports what WaitIdle waits for. mu is held.
 func (m *Monitor) idle() bool {
-	if m.calls.n > 0 || m.stream.accepting > 0 {
+	if m.calls.len() > 0 || m.stream.accepting > 0 {
 		return false
 	}
 	if m.state != held {

@@ -122,7 +122,7 @@ func TestMaxOverrunsBoundsReplacedWorkers(t *testing.T) {
 	h.settled(t)
 	h.m.mu.Lock()
 	defer h.m.mu.Unlock()
-	assert.Zero(t, h.m.calls.n, "no call left, replaced or not")
+	assert.Zero(t, h.m.calls.len(), "no call left, replaced or not")
 	assert.Zero(t, h.m.calls.slots, "every worker left once idle")
 }
 

@@ -19,9 +19,9 @@ import (
 func (m *Monitor) Stop() {
 	m.mu.Lock()
 	m.beginStop()
-	for m.calls.n > 0 {
+	for m.calls.len() > 0 {
 		m.abandon(overran)
-		if m.calls.n > 0 {
+		if m.calls.len() > 0 {
 			m.cond.Wait()
 		}
 	}
@@ -109,7 +109,7 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	}
 	stuck := m.calls.stages[overran]
 	_, inBackoff := m.keys.InBackoff()
-	drained := m.state == draining && m.calls.n == 0 && m.keys.Queued()+inBackoff == 0
+	drained := m.state == draining && m.calls.len() == 0 && m.keys.Queued()+inBackoff == 0
 	if ctx.Err() != nil {
 		m.beginStop()
 		m.abandon(inTime, late, overran)
@@ -130,7 +130,7 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 // drainable reports whether a drain can still move: a call not overran
 // may finish, or a ready key has a free slot. mu is held.
 func (m *Monitor) drainable() bool {
-	moving := m.calls.n - m.calls.stages[overran]
+	moving := m.calls.len() - m.calls.stages[overran]
 	return moving > 0 || m.keys.HasReady() && m.calls.slots < m.cfg.workers
 }
 
