@@ -51,7 +51,7 @@ type Monitor struct {
 
 	intake         context.Context // ends when Shutdown or Stop begins
 	endIntake      context.CancelFunc
-	watchers       sync.WaitGroup // Start's reader and exit watchers while they wait
+	watchers       sync.WaitGroup // the scheduler, Start's reader, exit watchers while they wait
 	abandonedDrops []Drop         // events of calls Stop gave up on, for it to hand over
 	stopping       chan struct{}  // closed when Stop begins
 	stopOnce       sync.Once
@@ -240,8 +240,8 @@ func (m *Monitor) NextRetry() (time.Time, bool) {
 
 // WaitIdle waits until the monitor has done all it can: no call running or
 // being settled, no key waiting for a worker, no envelope being accepted,
-// no replay due at the clock's now, and the timer set for the next retry
-// (none if no key waits, so a fake clock's HasWaiters tells the truth).
+// no replay due at the clock's now, and a timer set no later than the next
+// retry (none if no key waits, so a fake clock's HasWaiters tells the truth).
 // Keys waiting for a later retry remain (see NextRetry). It returns ctx's
 // error if ctx ends first, ErrStopped once stopped. A held monitor
 // (WithDeferredStart) is idle with its events queued; an overrunning call
@@ -262,26 +262,19 @@ func (m *Monitor) WaitIdle(ctx context.Context) error {
 		case ctx.Err() != nil:
 			return ctx.Err()
 		}
-		m.poke() // the scheduler may have a due replay to start, or its timer to set
+		m.poke() // the timer may have fired, or a fake clock passed it unseen
 		m.cond.Wait()
 	}
 	return nil
 }
 
-// idle reports what WaitIdle waits for. mu is held.
+// idle reports what WaitIdle waits for. The timer is never later than
+// what it times, so one not yet passed leaves no replay due. mu is held.
 func (m *Monitor) idle() bool {
-	if m.calls.len() > 0 || m.stream.accepting > 0 {
+	if m.calls.len() > 0 || m.stream.accepting > 0 || m.state != held && m.keys.HasReady() {
 		return false
 	}
-	if m.state != held {
-		if m.keys.HasReady() {
-			return false
-		}
-		if k := m.keys.Earliest(); k != nil && !k.Due().After(m.cfg.clock.Now()) {
-			return false
-		}
-	}
-	return m.timerRight()
+	return m.sched.at.IsZero() || m.sched.at.After(m.cfg.clock.Now())
 }
 
 // wakeWaiters wakes all on cond, for a waiter whose ctx ended.

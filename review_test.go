@@ -57,8 +57,8 @@ func rvArmed(t *testing.T, m *Monitor, ok func(time.Time) bool) time.Time {
 	require.Eventually(t, func() bool {
 		m.mu.Lock()
 		defer m.mu.Unlock()
-		at = m.sched.armed
-		return m.sched.running && !at.IsZero() && ok(at)
+		at = m.sched.at
+		return !at.IsZero() && ok(at)
 	}, 5*time.Second, time.Millisecond, "scheduler never armed as wanted (last %v)", at)
 	return at
 }
@@ -78,16 +78,12 @@ func rvRecv(t *testing.T, ch <-chan string, want string, within time.Duration) {
 	}
 }
 
-// Guarantee 4 (no lost wake-ups). While the scheduler is between computing
-// its next wake-up (under mu) and recording it in sched.armed (under mu
-// again), sched.armed still holds the time that just fired. retime compares
-// a new, earlier need against that stale value, finds it not earlier, and
-// does not poke; the scheduler then arms the later time it computed. Here
-// the scheduler is held in that window by its own overrun log line (user
-// code: the logger); on a real clock the window is the few instructions
-// around Reset, and a retry or a call's deadline is missed until whatever
-// the scheduler armed (up to the max backoff) unless something else calls
-// changed meanwhile.
+// Guarantee 4 (no lost wake-ups). A retry that comes due earlier than the
+// timer while the scheduler is held outside the lock (here by its own
+// overrun log line: user code, the logger) must still be replayed on time.
+// The scheduler once recorded the time it would arm in a second step, and
+// an earlier need arriving in between was compared against the stale time
+// and lost; the timer is now set under mu by whoever changes what is due.
 func TestReviewSchedulerLosesEarlierWakeWhileArming(t *testing.T) {
 	fc := testclock.NewFakeClock(time.Unix(1_000_000, 0))
 	t0 := fc.Now()

@@ -10,22 +10,23 @@ import (
 	"github.com/eventmonitor/eventmonitor/internal/keyq"
 )
 
-// The scheduler is the one goroutine that watches the clock: it replays
-// backoff queues when due and ends calls at their deadline, from one timer
-// set for the earliest of the two (100 000 keys in backoff cost one timer,
-// and no scan). It runs only while there is something to time.
+// The scheduler watches the clock: it replays backoff queues when due and
+// ends calls at their deadline. Whoever changes what is due sets its one
+// timer, under mu, for the earliest of the two (retime, from changed); one
+// goroutine, started with the first thing to time and ended by Stop, waits
+// on it. 100 000 keys in backoff cost one timer and no scan; an idle
+// monitor holds no timer.
 
 // schedulerState is guarded by Monitor.mu.
 type schedulerState struct {
-	running bool          // a scheduler goroutine runs
-	armed   time.Time     // when its timer fires, from its last look; zero: none
-	set     bool          // its timer is set for armed
-	wake    chan struct{} // makes it look again
+	timer clock.Timer   // nil until there is something to time
+	at    time.Time     // when timer fires; zero: stopped. Never later than wakeAt
+	wake  chan struct{} // makes the scheduler look now
 }
 
-// clockSlack is how far the clock may move while the scheduler sets its
-// timer, which is then that much late: nothing next to any delay, while a
-// fake clock stepped meanwhile makes it look again.
+// clockSlack is how far the clock may move while the timer is set, which
+// is then that much late: nothing next to any delay, while a fake clock
+// stepped meanwhile makes the scheduler look again.
 const clockSlack = time.Millisecond
 
 // wakeAt is when the scheduler must look next (zero: never): the first
@@ -65,32 +66,48 @@ func (m *Monitor) overrunAt(c *call) time.Time {
 	return c.deadline.Add(min(time.Second, m.cfg.handleTimeout/10))
 }
 
-// retime starts the scheduler when there is something to time, or pokes
-// it when it must wake earlier or not at all. A timer later than needed is
-// left: it fires early and is set again. mu is held.
+// retime keeps the timer set no later than wakeAt, and stopped when there
+// is nothing to time. A timer earlier than needed is left (a call's end
+// leaves its deadline's timer): it fires early and the pass sets it again.
+// mu is held.
 func (m *Monitor) retime() {
-	at := m.wakeAt()
-	switch armed := m.sched.armed; {
-	case !m.sched.running:
-		if !at.IsZero() {
-			m.sched.running = true
-			go m.schedule()
-		}
-	case at.IsZero() != armed.IsZero() || at.Before(armed):
+	at, s := m.wakeAt(), &m.sched
+	if at.IsZero() == s.at.IsZero() && !at.Before(s.at) {
+		return
+	}
+	s.stop()
+	if at.IsZero() {
+		return
+	}
+	s.at = at
+	now := m.cfg.clock.Now()
+	if s.timer == nil {
+		s.timer = m.cfg.clock.NewTimer(at.Sub(now))
+		m.watchers.Add(1)
+		go m.schedule(s.timer.C())
+	} else {
+		s.timer.Reset(at.Sub(now))
+	}
+	// A fake clock's timer set for a time already passed never fires, nor
+	// one whose clock was stepped while it was being set.
+	if !at.After(now) || m.cfg.clock.Since(now) >= clockSlack {
 		m.poke()
 	}
 }
 
-// timerRight reports whether the timer is exactly as wakeAt wants it, for
-// WaitIdle. mu is held.
-func (m *Monitor) timerRight() bool {
-	at := m.wakeAt()
-	if at.IsZero() {
-		return !m.sched.running
+// stop stops the timer. A fake clock's timer holds one value in its
+// channel, and its Step blocks on a second: drain it. mu is held.
+func (s *schedulerState) stop() {
+	s.at = time.Time{}
+	if s.timer != nil && !s.timer.Stop() {
+		select {
+		case <-s.timer.C():
+		default:
+		}
 	}
-	return m.sched.running && m.sched.set && m.sched.armed.Equal(at)
 }
 
+// poke makes the scheduler look now.
 func (m *Monitor) poke() {
 	select {
 	case m.sched.wake <- struct{}{}:
@@ -98,62 +115,29 @@ func (m *Monitor) poke() {
 	}
 }
 
-func (m *Monitor) schedule() {
-	var timer clock.Timer
-	for spins := 0; ; {
-		now, at := m.pass()
-		// Drain before Reset: a FakeClock timer's channel holds one value,
-		// and its Step blocks on a second.
-		if timer != nil && !timer.Stop() {
-			select {
-			case <-timer.C():
-			default:
-			}
-		}
-		if at.IsZero() {
-			if m.leaveScheduler() {
-				return
-			}
-			continue
-		}
-		if timer == nil {
-			timer = m.cfg.clock.NewTimer(at.Sub(now))
-		} else {
-			timer.Reset(at.Sub(now))
-		}
-		// Reset counts from the clock's time when it runs: if the clock has
-		// moved since now, look again (a fake timer whose target passed
-		// never fires).
-		if moved := m.cfg.clock.Since(now); moved >= clockSlack || moved > 0 && spins < 2 {
-			spins++
-			continue
-		}
-		spins = 0
-		m.mu.Lock()
-		m.sched.set = m.sched.armed.Equal(at)
-		m.cond.Broadcast() // WaitIdle may wait for the timer
-		m.mu.Unlock()
+// schedule is the scheduler's goroutine.
+func (m *Monitor) schedule(fired <-chan time.Time) {
+	defer m.watchers.Done()
+	for more := true; more; more = m.pass() {
 		select {
-		case <-timer.C():
+		case <-fired:
 		case <-m.sched.wake:
 		}
 	}
 }
 
-// pass replays what is due and expires calls past their deadline, and
-// returns the clock's now and when to look next.
-func (m *Monitor) pass() (now, next time.Time) {
+// pass replays what is due, expires calls past their deadline and sets
+// the timer again. It reports false once Stop left nothing to time.
+func (m *Monitor) pass() (more bool) {
 	m.mu.Lock()
-	now = m.cfg.clock.Now()
+	now := m.cfg.clock.Now()
 	for k := m.keys.Earliest(); k != nil && m.state == running && !k.Due().After(now); k = m.keys.Earliest() {
 		m.replay(k)
 	}
 	overruns := m.expire(now)
+	m.sched.stop() // it fired, or was poked before its time
 	m.changed()
-	next = m.wakeAt()
-	// Recorded under this lock: a change needing an earlier wake compares
-	// against it, and pokes.
-	m.sched.armed, m.sched.set = next, false
+	more = m.state != stopped || m.calls.len() > 0
 	m.mu.Unlock()
 	for _, o := range overruns {
 		entry := m.cfg.logger.WithFields(o.fields)
@@ -163,19 +147,7 @@ func (m *Monitor) pass() (now, next time.Time) {
 				Error("too many handler calls overrunning their timeout (WithMaxOverruns): this one keeps its worker")
 		}
 	}
-	return now, next
-}
-
-// leaveScheduler ends the scheduler unless something came to time.
-func (m *Monitor) leaveScheduler() bool {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if !m.wakeAt().IsZero() {
-		return false
-	}
-	m.sched.running, m.sched.armed, m.sched.set = false, time.Time{}, false
-	m.cond.Broadcast()
-	return true
+	return more
 }
 
 // replay starts k's backoff replay. mu is held.

@@ -74,9 +74,7 @@ func (m *Monitor) finishStop() {
 		drops = append(drops, m.dropByOrigin(name, m.keys.Forget(name))...)
 	}
 	m.changed()
-	for m.sched.running {
-		m.cond.Wait()
-	}
+	m.poke() // the scheduler leaves: nothing is left to time
 	lifetime := m.stream.lifetime
 	m.mu.Unlock()
 	m.watchers.Wait()
