@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime/debug"
+	"slices"
 	"time"
 
 	"github.com/containerd/log"
@@ -21,7 +22,6 @@ const (
 	overran                // running past its deadline and the grace: stuck
 	settling               // returned; its outcome is settled, being reported
 	abandoned              // Stop gave up on it; its goroutine leaves unseen
-	numStages
 )
 
 // call is one handler call and the handler's ctx: a standard context
@@ -38,10 +38,9 @@ type call struct {
 	replayStart bool            // its event is the first of a replay: logged as a retry
 
 	// Guarded by Monitor.mu.
-	slot       bool // it holds one of the WithWorkers slots
-	replaced   bool // it overran and gave its slot to a new worker
-	stage      stage
-	prev, next *call
+	slot     bool // it holds one of the WithWorkers slots
+	replaced bool // it overran and gave its slot to a new worker
+	stage    stage
 }
 
 // Deadline is the monitor clock's start plus the handle timeout.
@@ -77,7 +76,7 @@ func (m *Monitor) takeReady(slot bool) *call {
 	return m.startCall(k, it, replayStart, slot)
 }
 
-// startCall registers a call of it for k, just taken. The list is in
+// startCall registers a call of it for k, just taken. The calls are in
 // start order, hence in deadline order. mu is held.
 func (m *Monitor) startCall(k *keyq.Key[item], it item, replayStart, slot bool) *call {
 	c := &call{key: k, it: it, replayStart: replayStart, slot: slot}
@@ -88,7 +87,7 @@ func (m *Monitor) startCall(k *keyq.Key[item], it item, replayStart, slot bool) 
 	if m.cfg.handleTimeout > 0 {
 		c.deadline = c.start.Add(m.cfg.handleTimeout)
 	}
-	m.calls.push(c)
+	m.calls = append(m.calls, c)
 	return c
 }
 
@@ -126,7 +125,7 @@ func (m *Monitor) handle(c *call) (next *call) {
 	overran := c.stage == overran
 	out := m.settle(c, err, end)
 	if overran || out.failed != nil {
-		m.calls.setStage(c, settling) // WaitIdle and Stop wait for the report
+		c.stage = settling // WaitIdle and Stop wait for the report
 		m.changed()
 		m.mu.Unlock()
 		m.report(c, out, overran)
@@ -138,7 +137,7 @@ func (m *Monitor) handle(c *call) (next *call) {
 	if c.slot {
 		next = m.takeReady(true) // before remove: the slot passes on, not back
 	}
-	m.calls.remove(c)
+	m.removeCall(c)
 	m.changed()
 	return next
 }
@@ -238,66 +237,31 @@ func itemFields(key string, it item) log.Fields {
 	return fields
 }
 
-// callList is the calls in progress or being settled, in start order,
-// counted by stage and by worker slots held.
-type callList struct {
-	head, tail *call
-	slots      int
-	stages     [numStages]int
-}
-
-func (l *callList) push(c *call) {
-	c.prev, c.next = l.tail, nil
-	if l.tail == nil {
-		l.head = c
-	} else {
-		l.tail.next = c
-	}
-	l.tail = c
-	l.stages[c.stage]++
-	if c.slot {
-		l.slots++
-	}
-}
-
-func (l *callList) remove(c *call) {
-	if c.prev == nil {
-		l.head = c.next
-	} else {
-		c.prev.next = c.next
-	}
-	if c.next == nil {
-		l.tail = c.prev
-	} else {
-		c.next.prev = c.prev
-	}
-	c.prev, c.next = nil, nil
-	l.stages[c.stage]--
-	l.freeSlot(c)
-}
-
-func (l *callList) setStage(c *call, s stage) {
-	l.stages[c.stage]--
-	c.stage = s
-	l.stages[s]++
-}
-
-// freeSlot gives c's worker slot back, at its end or to replace it.
-func (l *callList) freeSlot(c *call) {
-	if c.slot {
-		c.slot = false
-		l.slots--
-	}
-}
-
-// len is the calls in the list.
-func (l *callList) len() int {
+// count is how many calls are in one of stages.
+func (m *Monitor) count(stages ...stage) int {
 	n := 0
-	for _, k := range l.stages {
-		n += k
+	for _, c := range m.calls {
+		if slices.Contains(stages, c.stage) {
+			n++
+		}
 	}
 	return n
 }
 
-// inFlight is the calls whose event is not settled yet.
-func (l *callList) inFlight() int { return l.stages[inTime] + l.stages[late] + l.stages[overran] }
+// slotsHeld is how many worker slots the calls hold.
+func (m *Monitor) slotsHeld() int {
+	n := 0
+	for _, c := range m.calls {
+		if c.slot {
+			n++
+		}
+	}
+	return n
+}
+
+// removeCall takes c out of the calls, and its slot with it. mu is held.
+func (m *Monitor) removeCall(c *call) {
+	if i := slices.Index(m.calls, c); i >= 0 {
+		m.calls = slices.Delete(m.calls, i, i+1)
+	}
+}

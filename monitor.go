@@ -44,8 +44,8 @@ type Monitor struct {
 	cond   sync.Cond
 	state  lifecycle
 	keys   *keyq.Set[item]
-	calls  callList
-	stats  Stats // counters; the gauges are derived in Stats
+	calls  []*call // in progress or being settled, in start order
+	stats  Stats   // counters; the gauges are derived in Stats
 	sched  schedulerState
 	stream streamState
 
@@ -139,7 +139,7 @@ func (m *Monitor) changed() {
 		m.replay(k)
 	}
 	m.replaceStuck()
-	for m.calls.slots < m.cfg.workers {
+	for free := m.cfg.workers - m.slotsHeld(); free > 0; free-- {
 		c := m.takeReady(true)
 		if c == nil {
 			break
@@ -271,7 +271,7 @@ func (m *Monitor) WaitIdle(ctx context.Context) error {
 // idle reports what WaitIdle waits for. The timer is never later than
 // what it times, so one not yet passed leaves no replay due. mu is held.
 func (m *Monitor) idle() bool {
-	if m.calls.len() > 0 || m.stream.accepting > 0 || m.state != held && m.keys.HasReady() {
+	if len(m.calls) > 0 || m.stream.accepting > 0 || m.state != held && m.keys.HasReady() {
 		return false
 	}
 	return m.sched.at.IsZero() || m.sched.at.After(m.cfg.clock.Now())

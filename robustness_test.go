@@ -87,7 +87,7 @@ func TestStuckHandlerDoesNotTakeItsWorker(t *testing.T) {
 func (h *harness) workers() int {
 	h.m.mu.Lock()
 	defer h.m.mu.Unlock()
-	return h.m.calls.slots
+	return h.m.slotsHeld()
 }
 
 // Past WithMaxOverruns an overrunning call keeps its worker, and says so;
@@ -122,8 +122,8 @@ func TestMaxOverrunsBoundsReplacedWorkers(t *testing.T) {
 	h.settled(t)
 	h.m.mu.Lock()
 	defer h.m.mu.Unlock()
-	assert.Zero(t, h.m.calls.len(), "no call left, replaced or not")
-	assert.Zero(t, h.m.calls.slots, "every worker left once idle")
+	assert.Zero(t, len(h.m.calls), "no call left, replaced or not")
+	assert.Zero(t, h.m.slotsHeld(), "every worker left once idle")
 }
 
 // Two Runs at once would both subscribe and handle every event twice: the

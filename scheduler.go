@@ -46,8 +46,10 @@ func (m *Monitor) wakeAt() (at time.Time) {
 		return at
 	}
 	var seenInTime, seenLate bool
-	for c := m.calls.head; c != nil && !(seenInTime && seenLate); c = c.next {
+	for _, c := range m.calls {
 		switch {
+		case seenInTime && seenLate:
+			return at
 		case c.stage == inTime && !seenInTime:
 			seenInTime = true
 			earlier(c.deadline)
@@ -137,7 +139,7 @@ func (m *Monitor) pass() (more bool) {
 	overruns := m.expire(now)
 	m.sched.stop() // it fired, or was poked before its time
 	m.changed()
-	more = m.state != stopped || m.calls.len() > 0
+	more = m.state != stopped || len(m.calls) > 0
 	m.mu.Unlock()
 	for _, o := range overruns {
 		entry := m.cfg.logger.WithFields(o.fields)
@@ -167,16 +169,16 @@ type overrun struct {
 // workers. mu is held.
 func (m *Monitor) expire(now time.Time) []overrun {
 	var stuck []*call
-	for c := m.calls.head; c != nil; c = c.next {
+	for _, c := range m.calls {
 		if c.deadline.IsZero() || now.Before(c.deadline) {
 			continue
 		}
 		if c.stage == inTime {
-			m.calls.setStage(c, late)
+			c.stage = late
 			c.cancel(context.DeadlineExceeded)
 		}
 		if c.stage == late && !now.Before(m.overrunAt(c)) {
-			m.calls.setStage(c, overran)
+			c.stage = overran
 			stuck = append(stuck, c)
 		}
 	}
@@ -196,19 +198,18 @@ func (m *Monitor) expire(now time.Time) []overrun {
 // returns. One the bound left holding its slot is replaced once a replaced
 // one returns. mu is held.
 func (m *Monitor) replaceStuck() {
-	if m.calls.stages[overran] == 0 || m.state == stopped {
+	if m.state == stopped {
 		return
 	}
 	replaced := 0
-	for c := m.calls.head; c != nil; c = c.next {
+	for _, c := range m.calls {
 		if c.replaced && c.stage == overran {
 			replaced++
 		}
 	}
-	for c := m.calls.head; c != nil && replaced < m.cfg.maxOverruns; c = c.next {
-		if c.stage == overran && c.slot {
-			c.replaced = true
-			m.calls.freeSlot(c)
+	for _, c := range m.calls {
+		if c.stage == overran && c.slot && replaced < m.cfg.maxOverruns {
+			c.slot, c.replaced = false, true
 			replaced++
 		}
 	}

@@ -33,7 +33,7 @@ func (m *Monitor) Stats() Stats {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	s := m.stats
-	s.InFlight, s.Overrunning, s.Queued = m.calls.inFlight(), m.calls.stages[overran], m.keys.Queued()
+	s.InFlight, s.Overrunning, s.Queued = m.count(inTime, late, overran), m.count(overran), m.keys.Queued()
 	s.KeysInBackoff, s.EventsInBackoff = m.keys.InBackoff()
 	return s
 }

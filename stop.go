@@ -19,9 +19,9 @@ import (
 func (m *Monitor) Stop() {
 	m.mu.Lock()
 	m.beginStop()
-	for m.calls.len() > 0 {
+	for len(m.calls) > 0 {
 		m.abandon(overran)
-		if m.calls.len() > 0 {
+		if len(m.calls) > 0 {
 			m.cond.Wait()
 		}
 	}
@@ -38,7 +38,7 @@ func (m *Monitor) beginStop() {
 	}
 	m.state = stopped
 	close(m.stopping)
-	for c := m.calls.head; c != nil; c = c.next {
+	for _, c := range m.calls {
 		c.cancel(context.Canceled)
 	}
 	m.changed()
@@ -48,16 +48,15 @@ func (m *Monitor) beginStop() {
 // events are dropped, and their goroutines leave unseen if they ever
 // return. mu is held.
 func (m *Monitor) abandon(stages ...stage) {
-	for c := m.calls.head; c != nil; {
-		next := c.next
-		if slices.Contains(stages, c.stage) {
-			m.calls.remove(c)
-			c.stage = abandoned
-			m.abandonedDrops = append(m.abandonedDrops,
-				m.dropCall(c, fmt.Errorf("%w: handler still running at its deadline, abandoned", ErrStopped)))
+	m.calls = slices.DeleteFunc(m.calls, func(c *call) bool {
+		if !slices.Contains(stages, c.stage) {
+			return false
 		}
-		c = next
-	}
+		c.stage = abandoned
+		m.abandonedDrops = append(m.abandonedDrops,
+			m.dropCall(c, fmt.Errorf("%w: handler still running at its deadline, abandoned", ErrStopped)))
+		return true
+	})
 	m.changed()
 }
 
@@ -105,9 +104,9 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	for m.state == draining && ctx.Err() == nil && m.drainable() {
 		m.cond.Wait()
 	}
-	stuck := m.calls.stages[overran]
+	stuck := m.count(overran)
 	_, inBackoff := m.keys.InBackoff()
-	drained := m.state == draining && m.calls.len() == 0 && m.keys.Queued()+inBackoff == 0
+	drained := m.state == draining && len(m.calls) == 0 && m.keys.Queued()+inBackoff == 0
 	if ctx.Err() != nil {
 		m.beginStop()
 		m.abandon(inTime, late, overran)
@@ -128,8 +127,8 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 // drainable reports whether a drain can still move: a call not overran
 // may finish, or a ready key has a free slot. mu is held.
 func (m *Monitor) drainable() bool {
-	moving := m.calls.len() - m.calls.stages[overran]
-	return moving > 0 || m.keys.HasReady() && m.calls.slots < m.cfg.workers
+	moving := len(m.calls) - m.count(overran)
+	return moving > 0 || m.keys.HasReady() && m.slotsHeld() < m.cfg.workers
 }
 
 // releaseHold ends WithDeferredStart's hold. mu is held.
