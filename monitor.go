@@ -262,19 +262,21 @@ func (m *Monitor) WaitIdle(ctx context.Context) error {
 		case ctx.Err() != nil:
 			return ctx.Err()
 		}
-		m.poke() // the timer may have fired, or a fake clock passed it unseen
+		if m.sched.overdue(m.cfg.clock.Now()) {
+			m.poke()
+		}
 		m.cond.Wait()
 	}
 	return nil
 }
 
 // idle reports what WaitIdle waits for. The timer is never later than
-// what it times, so one not yet passed leaves no replay due. mu is held.
+// what it times, so one not overdue leaves no replay due. mu is held.
 func (m *Monitor) idle() bool {
 	if len(m.calls) > 0 || m.stream.accepting > 0 || m.state != held && m.keys.HasReady() {
 		return false
 	}
-	return m.sched.at.IsZero() || m.sched.at.After(m.cfg.clock.Now())
+	return !m.sched.overdue(m.cfg.clock.Now())
 }
 
 // wakeWaiters wakes all on cond, for a waiter whose ctx ended.

@@ -24,11 +24,6 @@ type schedulerState struct {
 	wake  chan struct{} // makes the scheduler look now
 }
 
-// clockSlack is how far the clock may move while the timer is set, which
-// is then that much late: nothing next to any delay, while a fake clock
-// stepped meanwhile makes the scheduler look again.
-const clockSlack = time.Millisecond
-
 // wakeAt is when the scheduler must look next (zero: never): the first
 // retry due unless held or stopping, the first deadline of a call in time,
 // the first end of grace of a call past its deadline. Calls are in start
@@ -77,36 +72,48 @@ func (m *Monitor) retime() {
 	if at.IsZero() == s.at.IsZero() && !at.Before(s.at) {
 		return
 	}
-	s.stop()
-	if at.IsZero() {
+	if s.at = at; at.IsZero() {
+		s.stop()
 		return
 	}
-	s.at = at
-	now := m.cfg.clock.Now()
-	if s.timer == nil {
-		s.timer = m.cfg.clock.NewTimer(at.Sub(now))
-		m.watchers.Add(1)
-		go m.schedule(s.timer.C())
-	} else {
-		s.timer.Reset(at.Sub(now))
+	// Reset counts from the clock's time when it runs: a fake clock stepped
+	// since now leaves the timer late, so set it again (a real clock, always
+	// moving, then leaves it nanoseconds late).
+	var now time.Time
+	for tries := 0; tries < 2; tries++ {
+		now = m.cfg.clock.Now()
+		if s.timer == nil {
+			s.timer = m.cfg.clock.NewTimer(at.Sub(now))
+			m.watchers.Add(1)
+			go m.schedule(s.timer.C())
+		} else {
+			s.stop()
+			s.timer.Reset(at.Sub(now))
+		}
+		if m.cfg.clock.Since(now) == 0 {
+			break
+		}
 	}
-	// A fake clock's timer set for a time already passed never fires, nor
-	// one whose clock was stepped while it was being set.
-	if !at.After(now) || m.cfg.clock.Since(now) >= clockSlack {
-		m.poke()
+	if !at.After(now) {
+		m.poke() // a fake clock's timer set for a time passed never fires
 	}
 }
 
 // stop stops the timer. A fake clock's timer holds one value in its
 // channel, and its Step blocks on a second: drain it. mu is held.
 func (s *schedulerState) stop() {
-	s.at = time.Time{}
 	if s.timer != nil && !s.timer.Stop() {
 		select {
 		case <-s.timer.C():
 		default:
 		}
 	}
+}
+
+// overdue reports whether the timer is set for now or earlier: it fired
+// and the pass is yet to run, or a fake clock passed it unseen. mu is held.
+func (s *schedulerState) overdue(now time.Time) bool {
+	return !s.at.IsZero() && !s.at.After(now)
 }
 
 // poke makes the scheduler look now.
@@ -137,7 +144,10 @@ func (m *Monitor) pass() (more bool) {
 		m.replay(k)
 	}
 	overruns := m.expire(now)
-	m.sched.stop() // it fired, or was poked before its time
+	if m.sched.overdue(now) {
+		m.sched.at = time.Time{} // changed sets it again
+		m.sched.stop()
+	}
 	m.changed()
 	more = m.state != stopped || len(m.calls) > 0
 	m.mu.Unlock()

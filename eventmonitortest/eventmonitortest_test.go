@@ -123,8 +123,7 @@ func TestFakeClockWaitersTellTheTruth(t *testing.T) {
 	}
 }
 
-// waitForWaiters waits for the scheduler, which arms its timer on its own
-// goroutine when a call starts, to have done so.
+// waitForWaiters waits until the clock has waiters, or none, as wanted.
 func waitForWaiters(t *testing.T, clk *testclock.FakeClock, want bool, what string) {
 	t.Helper()
 	deadline := time.Now().Add(eventmonitortest.Timeout)

@@ -1,0 +1,466 @@
+package eventmonitor
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/containerd/log"
+	"github.com/sirupsen/logrus"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+	"k8s.io/utils/clock"
+	testclock "k8s.io/utils/clock/testing"
+)
+
+// r3CountingClock counts Now calls: every scheduler pass and every idle
+// check reads the clock.
+type r3CountingClock struct {
+	*testclock.FakeClock
+	nows atomic.Int64
+}
+
+func (c *r3CountingClock) Now() time.Time { c.nows.Add(1); return c.FakeClock.Now() }
+
+var _ clock.WithTicker = (*r3CountingClock)(nil)
+
+// Review 3 (fixed): WaitIdle poked the scheduler on every turn of its
+// loop, and every pass ends in changed, whose Broadcast woke WaitIdle,
+// which poked again: two goroutines ping-ponged on mu for as long as a call
+// ran. WaitIdle now pokes only when the timer is overdue.
+func TestReview3WaitIdleSpinsWhileACallRuns(t *testing.T) {
+	clk := &r3CountingClock{FakeClock: testclock.NewFakeClock(epoch)}
+	r := newRecorder()
+	h := newHarness(t, r, WithClock(clk), WithHandleTimeout(0))
+	h.m.Backoff("x", ev{"x", 1}) // the scheduler starts, then has nothing to time
+	h.m.Forget("x")
+	started, release := r.gate(ev{"k", 1})
+	defer release()
+	h.submit(t, ev{"k", 1})
+	<-started
+
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- h.m.WaitIdle(ctx) }()
+	base := clk.nows.Load()
+	require.Never(t, func() bool { return clk.nows.Load()-base > 1000 }, 300*time.Millisecond, 5*time.Millisecond,
+		"WaitIdle busy-loops with the scheduler while a call runs")
+	t.Logf("clock reads while waiting: %d", clk.nows.Load()-base)
+	cancel()
+	<-done
+}
+
+// r3SteppedClock steps its fake clock by step just before a timer is made
+// or reset: another goroutine's Step landing between retime's clock.Now
+// and its NewTimer/Reset, made deterministic.
+type r3SteppedClock struct {
+	*testclock.FakeClock
+	step time.Duration
+}
+
+func (c *r3SteppedClock) NewTimer(d time.Duration) clock.Timer {
+	c.FakeClock.Step(c.step)
+	return c.FakeClock.NewTimer(d)
+}
+
+// Review 3 (fixed): a fake clock stepped by less than a millisecond while
+// retime set the timer left it that much after the due time, and a fake
+// timer fires only when a Step reaches it, so a step straight to the due
+// time replayed nothing. retime now sets the timer again when the clock
+// moved meanwhile.
+func TestReview3StepDuringRetimeLosesRetry(t *testing.T) {
+	fc := testclock.NewFakeClock(epoch)
+	clk := &r3SteppedClock{FakeClock: fc, step: time.Microsecond}
+	handled := make(chan any, 4)
+	h := newHarness(t, HandlerFunc(func(_ context.Context, e any) error { handled <- e; return nil }),
+		WithClock(clk))
+	h.m.Backoff("k", "e") // due epoch+1s; the timer is set while the clock moves 1µs
+	due, ok := h.m.NextRetry()
+	require.True(t, ok)
+	fc.SetTime(due) // as eventmonitortest.StepToNextRetry does
+	select {
+	case <-handled:
+	case <-time.After(3 * time.Second):
+		t.Fatalf("retry due %v never replayed at the clock's %v (timer armed %v late, no poke)", due, fc.Now(), clk.step)
+	}
+}
+
+// A randomized run on a fake clock: handlers fail at random and some move
+// the clock past their own deadline (late, overran, replaced). After every
+// WaitIdle: no retry overdue, sched.at never later than wakeAt, no timer
+// on the clock when no key waits, the Stats identity; no key ever on two
+// goroutines; after Stop nothing left and no timer.
+func TestReview3RandomFakeClockInvariants(t *testing.T) {
+	for seed := uint64(1); seed <= 30; seed++ {
+		r3RandomRun(t, seed)
+	}
+}
+
+func r3RandomRun(t *testing.T, seed uint64) {
+	rng := rand.New(rand.NewPCG(seed, 7))
+	var rmu sync.Mutex
+	rnd := func(n int) int { rmu.Lock(); defer rmu.Unlock(); return rng.IntN(n) }
+	fc := testclock.NewFakeClock(epoch)
+	var running sync.Map
+	var twice atomic.Bool
+	drops := &dropLog{}
+	var handled atomic.Int64
+	m, err := New(HandlerFunc(func(ctx context.Context, e any) error {
+		k := keyOf(e)
+		if _, loaded := running.LoadOrStore(k, true); loaded {
+			twice.Store(true)
+		}
+		defer running.Delete(k)
+		switch rnd(10) {
+		case 0, 1, 2:
+			return errors.New("fail")
+		case 3:
+			fc.Step(time.Duration(rnd(3000)) * time.Millisecond) // time passes in the call
+		}
+		handled.Add(1)
+		return nil
+	}), WithClock(fc), WithWorkers(1+int(seed%3)), WithHandleTimeout(time.Second),
+		WithBackoff(100*time.Millisecond, 2*time.Second), WithJitter(float64(seed%2)/2),
+		WithDropHandler(drops.add), WithMaxAttempts(int(seed%4)), WithLogger(r3Quiet()))
+	require.NoError(t, err)
+	defer m.Stop()
+	settle := func(step int) {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		require.NoError(t, m.WaitIdle(ctx), "seed %d step %d: %+v", seed, step, m.Stats())
+		due, waiting := m.NextRetry()
+		if waiting {
+			require.True(t, due.After(fc.Now()), "seed %d step %d: retry due %v overdue at %v", seed, step, due, fc.Now())
+		}
+		m.mu.Lock()
+		at := m.sched.at
+		wake := m.wakeAt()
+		m.mu.Unlock()
+		if !waiting {
+			// A key waiting may see its timer stopped and set again by a
+			// pass from a poke still buffered; none waiting, none is set.
+			require.False(t, fc.HasWaiters(), "seed %d step %d: idle, no key waits, a timer set (at %v)", seed, step, at)
+		}
+		require.False(t, !wake.IsZero() && (at.IsZero() || at.After(wake)), "seed %d step %d: timer %v later than %v", seed, step, at, wake)
+		r2Balanced(t, m.Stats())
+	}
+	for step := 0; step < 150; step++ {
+		k := fmt.Sprintf("k%d", rnd(5))
+		switch rnd(8) {
+		case 0, 1, 2:
+			_ = m.Submit(k, ev{k, step})
+		case 3:
+			m.Backoff(k, ev{k, step})
+		case 4:
+			m.Forget(k)
+		case 5:
+			settle(step)
+			fc.Step(time.Duration(rnd(1500)) * time.Millisecond)
+		case 6:
+			settle(step)
+			if due, ok := m.NextRetry(); ok {
+				fc.SetTime(due)
+			}
+		case 7:
+			settle(step)
+		}
+	}
+	settle(-1)
+	m.Stop()
+	require.False(t, fc.HasWaiters(), "seed %d: a timer left after Stop", seed)
+	require.False(t, twice.Load(), "seed %d: a key on two goroutines", seed)
+	s := m.Stats()
+	r2Balanced(t, s)
+	require.Zero(t, s.Queued+s.EventsInBackoff+s.InFlight, "seed %d: %+v", seed, s)
+}
+
+func r3Quiet() *log.Entry {
+	l := logrus.New()
+	l.Out = io.Discard
+	return logrus.NewEntry(l)
+}
+
+// Real clock, tiny timeouts: calls go late, overrun, are replaced and
+// abandoned while events, backoffs and exits keep coming and Stop or
+// Shutdown races them. Stop returns, everything is accounted for, no key
+// runs twice, no goroutine of the monitor outlives Stop, no timer is set.
+func TestReview3RealClockStopRaces(t *testing.T) {
+	for i := 0; i < 40; i++ {
+		r3RealRun(t, uint64(i))
+	}
+	goleak.VerifyNone(t)
+}
+
+type r3Status struct{}
+
+func (r3Status) Result() (uint32, time.Time, error) { return 0, time.Time{}, nil }
+
+func r3RealRun(t *testing.T, seed uint64) {
+	rng := rand.New(rand.NewPCG(seed, 11))
+	var rmu sync.Mutex
+	rnd := func(n int) int { rmu.Lock(); defer rmu.Unlock(); return rng.IntN(n) }
+	stuck := make(chan struct{})
+	var running sync.Map
+	var twice atomic.Bool
+	var emitted atomic.Int64
+	m, err := New(HandlerFunc(func(ctx context.Context, e any) error {
+		k := keyOf(e)
+		if _, loaded := running.LoadOrStore(k, true); loaded {
+			twice.Store(true)
+		}
+		defer running.Delete(k)
+		switch rnd(6) {
+		case 0:
+			return errors.New("fail")
+		case 1:
+			<-ctx.Done()
+			return ctx.Err()
+		case 2:
+			<-stuck // ignores its ctx: overruns, is replaced, abandoned at Stop
+		}
+		return nil
+	}), WithWorkers(1+int(seed%3)), WithHandleTimeout(time.Duration(1+seed%3)*time.Millisecond),
+		WithMaxOverruns(int(seed%2)), WithBackoff(time.Millisecond, 4*time.Millisecond),
+		WithDropHandler(func(d Drop) { emitted.Add(int64(max(1, len(d.Events)))) }), WithLogger(r3Quiet()))
+	require.NoError(t, err)
+	var feeders sync.WaitGroup
+	for f := 0; f < 3; f++ {
+		feeders.Add(1)
+		go func() {
+			defer feeders.Done()
+			for j := 0; j < 60; j++ {
+				k := fmt.Sprintf("k%d", rnd(6))
+				switch rnd(4) {
+				case 0:
+					m.Backoff(k, ev{k, j})
+				case 1:
+					ch := make(chan r3Status, 1)
+					ch <- r3Status{}
+					WatchExit(context.Background(), m, k, ch, func(uint32, time.Time) any { return ev{k, j} })
+				default:
+					_ = m.Submit(k, ev{k, j})
+				}
+			}
+		}()
+	}
+	stopped := make(chan struct{})
+	go func() {
+		defer close(stopped)
+		if seed%2 == 0 {
+			ctx, cancel := context.WithTimeout(context.Background(), time.Duration(rnd(5))*time.Millisecond)
+			defer cancel()
+			_ = m.Shutdown(ctx)
+		} else {
+			m.Stop()
+		}
+	}()
+	select {
+	case <-stopped:
+	case <-time.After(10 * time.Second):
+		close(stuck)
+		t.Fatalf("seed %d: Stop/Shutdown hangs: %+v", seed, m.Stats())
+	}
+	feeders.Wait()
+	close(stuck)
+	require.False(t, twice.Load(), "seed %d: a key on two goroutines", seed)
+	s := m.Stats()
+	r2Balanced(t, s)
+	require.Zero(t, s.Queued+s.EventsInBackoff+s.InFlight, "seed %d: %+v", seed, s)
+	require.Equal(t, s.Dropped, uint64(emitted.Load()), "seed %d: drops counted vs handed over", seed)
+	m.mu.Lock()
+	require.True(t, m.sched.at.IsZero(), "seed %d: timer set after Stop", seed)
+	require.Empty(t, m.calls)
+	m.mu.Unlock()
+}
+
+// A fake clock stepped without pause by another goroutine while calls end
+// at their deadlines, fail and replay: Step holds the fake clock's lock
+// while it fires the monitor's timer, and the monitor reads that clock
+// under mu. The timer's channel must never hold a second value (Step would
+// block on it, and with it every clock read under mu): every event ends
+// handled or dropped, and Stop returns.
+func TestReview3ConcurrentStepperNeverDeadlocks(t *testing.T) {
+	fc := testclock.NewFakeClock(epoch)
+	var calls atomic.Int64
+	drops := &dropLog{}
+	m, err := New(HandlerFunc(func(ctx context.Context, e any) error {
+		if calls.Add(1)%3 == 0 {
+			return errors.New("fail")
+		}
+		<-ctx.Done() // ends at its deadline, when the scheduler cancels it
+		return nil
+	}), WithClock(fc), WithWorkers(4), WithHandleTimeout(5*time.Millisecond),
+		WithBackoff(time.Millisecond, 3*time.Millisecond), WithMaxAttempts(3),
+		WithDropHandler(drops.add), WithLogger(r3Quiet()))
+	require.NoError(t, err)
+	stop := make(chan struct{})
+	stepped := make(chan struct{})
+	go func() {
+		defer close(stepped)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+				fc.Step(time.Millisecond)
+				runtime.Gosched()
+			}
+		}
+	}()
+	const n = 300
+	for i := 0; i < n; i++ {
+		k := fmt.Sprintf("k%d", i%7)
+		require.NoError(t, m.Submit(k, ev{k, i}))
+	}
+	require.Eventually(t, func() bool {
+		s := m.Stats()
+		return s.Handled+s.Dropped == n
+	}, 20*time.Second, time.Millisecond, "events stuck: %+v", m.Stats())
+	stopDone := make(chan struct{})
+	go func() { m.Stop(); close(stopDone) }()
+	select {
+	case <-stopDone:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Stop hangs")
+	}
+	close(stop)
+	<-stepped
+	require.False(t, fc.HasWaiters())
+	r2Balanced(t, m.Stats())
+}
+
+// Slots counted from the calls: with two workers and WithMaxOverruns(1),
+// of two stuck calls one gives its slot to a new worker and one keeps it;
+// when the replaced one returns the other is replaced; an abandoned call
+// leaves the list and its slot with it, and returns unseen.
+func TestReview3SlotsAcrossReplaceAndAbandon(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithWorkers(2), WithMaxOverruns(1), WithHandleTimeout(time.Second))
+	startA, releaseA := r.gate(ev{"a", 1})
+	startB, releaseB := r.gate(ev{"b", 1})
+	defer releaseA()
+	defer releaseB()
+	h.submit(t, ev{"a", 1}, ev{"b", 1})
+	<-startA
+	<-startB
+	h.submit(t, ev{"c", 1}, ev{"d", 1})
+	slots := func() (held, calls, replaced int) {
+		h.m.mu.Lock()
+		defer h.m.mu.Unlock()
+		for _, c := range h.m.calls {
+			if c.replaced {
+				replaced++
+			}
+		}
+		return h.m.slotsHeld(), len(h.m.calls), replaced
+	}
+	held, calls, replaced := slots()
+	require.Equal(t, []int{2, 2, 0}, []int{held, calls, replaced})
+
+	h.clock.Step(time.Second + grace) // both overrun; one is replaced
+	waitFor(t, func() bool { return len(r.handledList()) == 2 }, "c and d on the one replacement worker")
+	held, calls, replaced = slots()
+	require.Equal(t, []int{1, 2, 1}, []int{held, calls, replaced}, "one stuck call keeps its slot, one gave it")
+	s := h.m.Stats()
+	require.Equal(t, 2, s.Overrunning)
+	require.Equal(t, 2, s.InFlight)
+
+	// The replaced one returns: the other stuck call is replaced in turn.
+	h.m.mu.Lock()
+	var first string
+	for _, c := range h.m.calls {
+		if c.replaced {
+			first = c.key.Name()
+		}
+	}
+	h.m.mu.Unlock()
+	if first == "a" {
+		releaseA()
+	} else {
+		releaseB()
+	}
+	waitFor(t, func() bool { _, calls, replaced := slots(); return calls == 1 && replaced == 1 }, "the other stuck call replaced")
+	held, _, _ = slots()
+	require.Zero(t, held, "no worker left busy: the stuck call gave its slot")
+	require.NoError(t, h.m.Submit("e", ev{"e", 1}))
+	waitFor(t, func() bool { return len(r.handledList()) == 4 }, "e handled beside the stuck call")
+
+	h.m.Stop() // abandons the stuck call
+	held, calls, _ = slots()
+	require.Zero(t, held+calls)
+	require.False(t, h.clock.HasWaiters(), "no timer after Stop")
+	releaseA()
+	releaseB() // returns unseen: nothing counted twice
+	s = h.m.Stats()
+	r2Balanced(t, s)
+	require.Equal(t, uint64(1), s.Dropped)
+	require.Equal(t, uint64(4), s.Handled)
+}
+
+// No lost wake-up, and no WaitIdle needed to see one: a retry due before
+// the timer (a running call's deadline) moves it earlier; a timer left
+// earlier than needed (an ended call's deadline) fires early and is set
+// again; a step straight to the due time replays. Once nothing waits, no
+// timer is left on the clock.
+func TestReview3RetriesOnTimeWithoutWaitIdle(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithWorkers(2), WithHandleTimeout(500*time.Millisecond), WithBackoff(time.Second, time.Minute))
+	t0 := h.clock.Now()
+	at := func() time.Time { h.m.mu.Lock(); defer h.m.mu.Unlock(); return h.m.sched.at }
+
+	// c's retry at t0+1s is after x's deadline at t0+0.5s, which x's end
+	// leaves armed.
+	startX, releaseX := r.gate(ev{"x", 1})
+	defer releaseX()
+	h.submit(t, ev{"x", 1})
+	<-startX
+	require.Equal(t, t0.Add(500*time.Millisecond), at(), "timer at x's deadline")
+	h.m.Backoff("c", ev{"c", 1}) // due t0+1s
+	releaseX()
+	waitFor(t, func() bool { return len(r.handledList()) == 1 }, "x returned")
+	require.Equal(t, t0.Add(500*time.Millisecond), at(), "the ended call's earlier timer is left")
+	h.clock.SetTime(t0.Add(time.Second)) // fires the early timer and passes c's due at once
+	waitFor(t, func() bool { return len(r.handledList()) == 2 }, "c replayed at its due time")
+	waitFor(t, func() bool { return !h.clock.HasWaiters() }, "no timer once nothing waits")
+
+	h.m.Stop() // the next monitor's cleanup checks for leaks first
+
+	// A retry due before the timer moves it earlier.
+	h2 := newHarness(t, r, WithHandleTimeout(10*time.Second), WithBackoff(time.Second, time.Minute), WithWorkers(2))
+	t0 = h2.clock.Now()
+	startY, releaseY := r.gate(ev{"y", 1})
+	defer releaseY()
+	require.NoError(t, h2.m.Submit("y", ev{"y", 1})) // deadline t0+10s
+	<-startY
+	h2.m.Backoff("d", ev{"d", 1}) // due t0+1s
+	h2.clock.SetTime(t0.Add(time.Second))
+	waitFor(t, func() bool { return len(r.handledList()) == 3 }, "d replayed at its due time")
+	releaseY()
+	waitFor(t, func() bool { return len(r.handledList()) == 4 }, "y returned")
+	waitFor(t, func() bool { return !h2.clock.HasWaiters() }, "no timer once nothing waits")
+}
+
+// Review 3 (fixed): a key waited in backoff and WaitIdle said idle, yet
+// the fake clock had no timer: a pass from a buffered poke stopped the
+// timer, right and not due, before setting it again. A pass now stops only
+// an overdue timer.
+func TestReview3BackoffHoldsTimerAfterWaitIdle(t *testing.T) {
+	h := newHarness(t, HandlerFunc(func(context.Context, any) error { return errors.New("fails") }),
+		WithBackoff(time.Hour, time.Hour))
+	for i := 0; i < 2000; i++ {
+		k := fmt.Sprint("c", i)
+		require.NoError(t, h.m.Submit(k, "e"))
+		h.settled(t)
+		require.True(t, h.clock.HasWaiters(), "round %d: idle with a key in backoff, and no timer on the clock", i)
+		h.m.Forget(k)
+		h.settled(t)
+		require.False(t, h.clock.HasWaiters(), "round %d: idle, nothing waits, a timer on the clock", i)
+	}
+}
