@@ -63,9 +63,9 @@ func (c *call) Value(key any) any {
 	return v
 }
 
-// takeReady starts a call for the first ready key, if the monitor may.
-// mu is held.
-func (m *Monitor) takeReady(slot bool) *call {
+// takeReady starts a call for the first ready key on a worker slot, if the
+// monitor may. mu is held.
+func (m *Monitor) takeReady() *call {
 	if m.state != running && m.state != draining {
 		return nil
 	}
@@ -73,7 +73,7 @@ func (m *Monitor) takeReady(slot bool) *call {
 	if k == nil {
 		return nil
 	}
-	return m.startCall(k, it, replayStart, slot)
+	return m.startCall(k, it, replayStart, true)
 }
 
 // startCall registers a call of it for k, just taken. The calls are in
@@ -135,7 +135,7 @@ func (m *Monitor) handle(c *call) (next *call) {
 		}
 	}
 	if c.slot {
-		next = m.takeReady(true) // before remove: the slot passes on, not back
+		next = m.takeReady() // before remove: the slot passes on, not back
 	}
 	m.removeCall(c)
 	m.changed()

@@ -32,12 +32,11 @@ const UnknownExitCode = 255
 // ErrStopped. A nil m, exitCh or event panics at once, not in the goroutine.
 func WatchExit[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh <-chan S,
 	event func(code uint32, exitedAt time.Time) any) <-chan struct{} {
-	if event == nil {
-		panic("eventmonitor: WatchExit with a nil event builder")
+	var build func(uint32, time.Time, error) any
+	if event != nil {
+		build = func(code uint32, exitedAt time.Time, _ error) any { return event(code, exitedAt) }
 	}
-	return WatchExitResult(ctx, m, key, exitCh, func(code uint32, exitedAt time.Time, _ error) any {
-		return event(code, exitedAt)
-	})
+	return watchExit(ctx, "WatchExit", m, key, exitCh, build)
 }
 
 // WatchExitResult is WatchExit with a builder that also sees why the status
@@ -45,13 +44,19 @@ func WatchExit[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh
 // ErrNoExitStatus (with code UnknownExitCode and exitedAt the clock's now).
 func WatchExitResult[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh <-chan S,
 	event func(code uint32, exitedAt time.Time, err error) any) <-chan struct{} {
+	return watchExit(ctx, "WatchExitResult", m, key, exitCh, event)
+}
+
+// watchExit is WatchExitResult, naming caller in its panics.
+func watchExit[S ExitStatus](ctx context.Context, caller string, m *Monitor, key string, exitCh <-chan S,
+	event func(code uint32, exitedAt time.Time, err error) any) <-chan struct{} {
 	switch {
 	case m == nil:
-		panic("eventmonitor: WatchExit with a nil Monitor")
+		panic("eventmonitor: " + caller + " with a nil Monitor")
 	case exitCh == nil:
-		panic("eventmonitor: WatchExit with a nil exit channel")
+		panic("eventmonitor: " + caller + " with a nil exit channel")
 	case event == nil:
-		panic("eventmonitor: WatchExit with a nil event builder")
+		panic("eventmonitor: " + caller + " with a nil event builder")
 	}
 	done := make(chan struct{})
 	m.mu.Lock()

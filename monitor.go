@@ -140,7 +140,7 @@ func (m *Monitor) changed() {
 	}
 	m.replaceStuck()
 	for free := m.cfg.workers - m.slotsHeld(); free > 0; free-- {
-		c := m.takeReady(true)
+		c := m.takeReady()
 		if c == nil {
 			break
 		}

@@ -259,6 +259,12 @@ func TestProgrammingErrorsPanicAtOnce(t *testing.T) {
 	assert.PanicsWithValue(t, "eventmonitor: WatchExit with a nil event builder", func() {
 		WatchExit(context.Background(), h.m, "c1", exitCh, nil)
 	})
+	assert.PanicsWithValue(t, "eventmonitor: WatchExitResult with a nil Monitor", func() {
+		WatchExitResult(context.Background(), nil, "c1", exitCh, func(uint32, time.Time, error) any { return nil })
+	})
+	assert.PanicsWithValue(t, "eventmonitor: WatchExitResult with a nil event builder", func() {
+		WatchExitResult(context.Background(), h.m, "c1", exitCh, nil)
+	})
 	assert.PanicsWithValue(t, "eventmonitor: Subscribe with a nil Subscriber", func() {
 		h.m.Subscribe(nil)
 	})

@@ -26,8 +26,7 @@ type schedulerState struct {
 
 // wakeAt is when the scheduler must look next (zero: never): the first
 // retry due unless held or stopping, the first deadline of a call in time,
-// the first end of grace of a call past its deadline. Calls are in start
-// order, so the first of a stage is its earliest. mu is held.
+// the first end of grace of a call past its deadline. mu is held.
 func (m *Monitor) wakeAt() (at time.Time) {
 	earlier := func(t time.Time) {
 		if at.IsZero() || t.Before(at) {
@@ -40,16 +39,11 @@ func (m *Monitor) wakeAt() (at time.Time) {
 	if m.cfg.handleTimeout == 0 {
 		return at
 	}
-	var seenInTime, seenLate bool
 	for _, c := range m.calls {
-		switch {
-		case seenInTime && seenLate:
-			return at
-		case c.stage == inTime && !seenInTime:
-			seenInTime = true
+		switch c.stage {
+		case inTime:
 			earlier(c.deadline)
-		case c.stage == late && !seenLate:
-			seenLate = true
+		case late:
 			earlier(m.overrunAt(c))
 		}
 	}
