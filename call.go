@@ -131,7 +131,7 @@ func (m *Monitor) handle(c *call) (next *call) {
 		m.report(c, out, overran)
 		m.mu.Lock()
 		if out.drop != nil {
-			m.keys.Done(c.key, false) // the key's next event starts after its drop is reported
+			m.keys.GaveUp(c.key) // the key's next event starts after its drop is reported
 		}
 	}
 	if c.slot {
@@ -168,11 +168,11 @@ func (m *Monitor) settle(c *call, err error, end time.Time) outcome {
 	switch {
 	case err == nil:
 		m.stats.Handled++
-		m.keys.Done(c.key, true)
+		m.keys.Done(c.key)
 		return outcome{}
 	case errors.Is(err, ErrUnsupportedEvent):
 		m.stats.Ignored++
-		m.keys.Done(c.key, true)
+		m.keys.Done(c.key)
 		return outcome{}
 	}
 	m.stats.Failed++

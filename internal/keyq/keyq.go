@@ -12,7 +12,7 @@
 //	Waiting  in backoff, in the heap until its due time
 //
 // Only Take and TakeAlone move a key to Running and only a call's end
-// (Done, Failed) moves it out again, so a key is never on two goroutines.
+// (Done, GaveUp, Failed) moves it out again, so a key is never on two goroutines.
 //
 // Backoff: a failed event goes back to the head of its key's queue and the
 // key waits. When due, the events then queued are the replay; once all are
@@ -179,10 +179,16 @@ func (s *Set[T]) TakeAlone(k *Key[T]) (it T, ok bool) {
 	return it, true
 }
 
-// Done ends k's call, its event handled (progressed) or given up on. The
-// key leaves backoff once its replay is done, then waits (a PushBackoff
-// during the call), is Ready, or Idle.
-func (s *Set[T]) Done(k *Key[T], progressed bool) {
+// Done ends k's call, its event handled. The key leaves backoff once its
+// replay is done, then waits (a PushBackoff during the call), is Ready, or
+// Idle.
+func (s *Set[T]) Done(k *Key[T]) { s.end(k, true) }
+
+// GaveUp ends k's call, its event given up on, as Done does; a replay it
+// was part of has not progressed for it.
+func (s *Set[T]) GaveUp(k *Key[T]) { s.end(k, false) }
+
+func (s *Set[T]) end(k *Key[T], progressed bool) {
 	s.uncount(k)
 	if b := k.backoff; b != nil && b.inCall {
 		b.inCall = false

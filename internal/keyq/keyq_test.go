@@ -102,12 +102,12 @@ func TestPushTakeDone(t *testing.T) {
 	take(t, s, "b", 3, false)
 	k, _, _ := s.Take()
 	require.Nil(t, k, "Running keys are not ready")
-	s.Done(a, true)
+	s.Done(a)
 	is(t, s, a, Ready, none, 2)
-	s.Done(b, false)
+	s.GaveUp(b)
 	is(t, s, b, Idle, none)
 	take(t, s, "a", 2, false)
-	s.Done(a, true)
+	s.Done(a)
 	is(t, s, a, Idle, none)
 }
 
@@ -123,7 +123,7 @@ func TestTakeAlone(t *testing.T) {
 	s.Push("a", 2)
 	_, ok = s.TakeAlone(a)
 	require.False(t, ok, "a call of the key is in progress")
-	s.Done(a, true)
+	s.Done(a)
 	s.Push("a", 3)
 	_, ok = s.TakeAlone(a)
 	require.False(t, ok, "an earlier event waits")
@@ -144,10 +144,10 @@ func TestFailedReplay(t *testing.T) {
 	s.Push("a", 3) // not part of the replay
 	is(t, s, k, Ready, sec, 1, 2, 3)
 	take(t, s, "a", 1, true)
-	s.Done(k, true)
+	s.Done(k)
 	is(t, s, k, Ready, sec, 2, 3)
 	take(t, s, "a", 2, false)
-	s.Done(k, true)
+	s.Done(k)
 	is(t, s, k, Ready, none, 3) // the replay is over: 3 is an ordinary event
 	require.Equal(t, 1, s.Queued())
 	take(t, s, "a", 3, false)
@@ -183,7 +183,7 @@ func TestDoubling(t *testing.T) {
 		}
 		s.Replay(k)
 		take(t, s, "a", 1, true)
-		s.Done(k, true)
+		s.Done(k)
 		take(t, s, "a", 2, false)
 		s.Failed(k, 2, t0.Add(now))
 		require.Equal(t, c.d.Initial, k.Delay(), "a replay that handled an event waits Initial")
@@ -211,7 +211,7 @@ func TestPushBackoff(t *testing.T) {
 			s.Failed(k, 1, t0.Add(time.Hour))
 			is(t, s, k, Waiting, sec, 1, 2)
 		} else {
-			s.Done(k, true)
+			s.Done(k)
 			is(t, s, k, Waiting, sec, 2)
 		}
 	}
@@ -241,7 +241,7 @@ func TestForgetEarliest(t *testing.T) {
 	require.Equal(t, []int{2, 6}, s.Forget("r"))
 	is(t, s, r, Running, none)
 	take(t, s, "y", 9, false)
-	s.Done(r, true)
+	s.Done(r)
 	is(t, s, r, Idle, none)
 }
 
@@ -351,9 +351,13 @@ func (m *model) step(op, arg byte) {
 		require.Equal(t, [3]any{name, mk.events[0], replayStart}, [3]any{k.Name(), it, start}, "Take")
 		mk.call, mk.events = it, mk.events[1:]
 		m.set(name, mk, Running)
-	case 5: // Done
+	case 5: // Done or GaveUp
 		progressed := arg&1 == 0
-		m.s.Done(m.s.Get(name), progressed)
+		if progressed {
+			m.s.Done(m.s.Get(name))
+		} else {
+			m.s.GaveUp(m.s.Get(name))
+		}
 		if m.end(mk.call); mk.backoff && mk.inCall {
 			mk.inCall, mk.progressed = false, mk.progressed || progressed
 			mk.backoff = mk.replayLeft > 0 // else the replay is over
