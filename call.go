@@ -76,8 +76,7 @@ func (m *Monitor) takeReady() *call {
 	return m.startCall(k, it, replayStart, true)
 }
 
-// startCall registers a call of it for k, just taken. The calls are in
-// start order, hence in deadline order. mu is held.
+// startCall registers a call of it for k, just taken. mu is held.
 func (m *Monitor) startCall(k *keyq.Key[item], it item, replayStart, slot bool) *call {
 	c := &call{key: k, it: it, replayStart: replayStart, slot: slot}
 	c.Context, c.cancel = context.WithCancelCause(m.base)

@@ -27,7 +27,7 @@
 // Where each guarantee lives: the order, the phases and the backoff rules in
 // internal/keyq; one goroutine per key in keyq's Running phase, which only a
 // call's start and end change (call.go); the accounting in Stats, derived
-// from keyq and the call list; the timing in scheduler.go; stopping in
+// from keyq and the calls in progress; the timing in scheduler.go; stopping in
 // stop.go.
 //
 // The entry points mirror containerd's CRI event monitor (Subscribe, Start,

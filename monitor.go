@@ -243,9 +243,9 @@ func (m *Monitor) NextRetry() (time.Time, bool) {
 // no replay due at the clock's now, and a timer set no later than the next
 // retry (none if no key waits, so a fake clock's HasWaiters tells the truth).
 // Keys waiting for a later retry remain (see NextRetry). It returns ctx's
-// error if ctx ends first, ErrStopped once stopped. A held monitor
-// (WithDeferredStart) is idle with its events queued; an overrunning call
-// keeps it busy until it returns.
+// error if ctx ends first, ErrStopped if Stop began while work was left. A
+// held monitor (WithDeferredStart) is idle with its events queued, and
+// times no retry; an overrunning call keeps it busy until it returns.
 //
 // It is the sync point of fake-clock tests: Submit, WaitIdle, step the
 // clock to NextRetry, WaitIdle again (see package eventmonitortest). An

@@ -144,8 +144,8 @@ func r3RandomRun(t *testing.T, seed uint64) {
 		wake := m.wakeAt()
 		m.mu.Unlock()
 		if !waiting {
-			// A key waiting may see its timer stopped and set again by a
-			// pass from a poke still buffered; none waiting, none is set.
+			// None waiting, none is set (review4_test.go checks the other
+			// direction).
 			require.False(t, fc.HasWaiters(), "seed %d step %d: idle, no key waits, a timer set (at %v)", seed, step, at)
 		}
 		require.False(t, !wake.IsZero() && (at.IsZero() || at.After(wake)), "seed %d step %d: timer %v later than %v", seed, step, at, wake)

@@ -72,7 +72,9 @@ func (m *Monitor) retime() {
 	}
 	// Reset counts from the clock's time when it runs: a fake clock stepped
 	// since now leaves the timer late, so set it again (a real clock, always
-	// moving, then leaves it nanoseconds late).
+	// moving, then leaves it nanoseconds late). Stepped during both tries, by
+	// a test not waiting for WaitIdle, it stays late until the next Step or
+	// WaitIdle, which finds it overdue.
 	var now time.Time
 	for tries := 0; tries < 2; tries++ {
 		now = m.cfg.clock.Now()

@@ -174,10 +174,12 @@ func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) erro
 		}
 		m.cfg.logger.WithError(cmp.Or(err, ErrStreamClosed)).WithField("delay", delay).
 			Warn("event stream broke; re-subscribing")
+		wait := m.cfg.clock.NewTimer(delay) // not After: a fake clock would keep its waiter after ctx ends
 		select {
 		case <-runCtx.Done():
-		case <-m.cfg.clock.After(delay):
+		case <-wait.C():
 		}
+		wait.Stop()
 		if runCtx.Err() != nil {
 			break
 		}

@@ -190,7 +190,7 @@ func TestRunResubscribesWithBackoff(t *testing.T) {
 	// Failed subscriptions in a row: 100, 200, 400, 400 ms apart.
 	for _, wait := range []time.Duration{100, 200, 400, 400} {
 		sub.errs <- errors.New("broken")
-		require.Equal(t, wait*time.Millisecond, clk.waitAfter(t), "Run's delay before re-subscribing")
+		clk.waitTimer(t, wait*time.Millisecond) // Run's delay before re-subscribing
 		h.clock.Step(wait*time.Millisecond - time.Nanosecond)
 		select {
 		case <-stream.newSub:
@@ -204,7 +204,7 @@ func TestRunResubscribesWithBackoff(t *testing.T) {
 	// A subscription that delivers resets the backoff.
 	sub.send(t, envelope(t, "ns", wrapperspb.String("c1")))
 	sub.errs <- errors.New("broken again")
-	require.Equal(t, 100*time.Millisecond, clk.waitAfter(t), "the delay starts over")
+	clk.waitTimer(t, 100*time.Millisecond) // the delay starts over
 	h.clock.Step(100 * time.Millisecond)
 	sub = <-stream.newSub
 	sub.send(t, envelope(t, "ns", wrapperspb.String("c2")))
@@ -250,7 +250,7 @@ func TestRunResyncsOncePerOutage(t *testing.T) {
 	noResync("on the first subscription")
 	sub.errs <- errors.New("daemon gone")
 	for _, wait := range []time.Duration{100, 200, 400} { // refused at once while the daemon is down
-		require.Equal(t, wait*time.Millisecond, clk.waitAfter(t))
+		clk.waitTimer(t, wait*time.Millisecond)
 		clk.forgetTimers() // the refused subscriptions' timers
 		h.clock.Step(wait * time.Millisecond)
 		sub = <-stream.newSub
@@ -272,7 +272,7 @@ func TestRunResyncsOncePerOutage(t *testing.T) {
 
 	// A second outage: a subscription that delivers is established at once.
 	sub.errs <- errors.New("daemon gone again")
-	require.Equal(t, 100*time.Millisecond, clk.waitAfter(t), "the subscription delivered: the delay starts over")
+	clk.waitTimer(t, 100*time.Millisecond) // the subscription delivered: the delay starts over
 	<-resyncCtx.Done()
 	h.clock.Step(100 * time.Millisecond)
 	sub = <-stream.newSub
@@ -321,24 +321,16 @@ func TestStreamErrorWinsOverClosedChannel(t *testing.T) {
 	}
 }
 
-// signallingClock is the harness's FakeClock, reporting every After and
-// NewTimer call once its waiter is registered: a test steps the clock only
-// when Run waits on it. (HasWaiters cannot tell: the scheduler's timer is a
-// waiter too.)
+// signallingClock is the harness's FakeClock, reporting every NewTimer call
+// once its waiter is registered: a test steps the clock only when Run waits
+// on it. (HasWaiters cannot tell: the scheduler's timer is a waiter too.)
 type signallingClock struct {
 	*testclock.FakeClock
-	afters chan time.Duration
 	timers chan time.Duration
 }
 
 func newSignallingClock() *signallingClock {
-	return &signallingClock{afters: make(chan time.Duration, 1), timers: make(chan time.Duration, 64)}
-}
-
-func (c *signallingClock) After(d time.Duration) <-chan time.Time {
-	ch := c.FakeClock.After(d)
-	c.afters <- d
-	return ch
+	return &signallingClock{timers: make(chan time.Duration, 64)}
 }
 
 func (c *signallingClock) NewTimer(d time.Duration) clock.Timer {
@@ -356,18 +348,6 @@ func withSignallingClock(clk *signallingClock) Option {
 	return func(c *config) {
 		clk.FakeClock = c.clock.(*testclock.FakeClock)
 		c.clock = clk
-	}
-}
-
-// waitAfter returns the delay of the next After call.
-func (c *signallingClock) waitAfter(t *testing.T) time.Duration {
-	t.Helper()
-	select {
-	case d := <-c.afters:
-		return d
-	case <-time.After(10 * time.Second):
-		t.Fatal("Run did not wait on the clock")
-		return 0
 	}
 }
 
