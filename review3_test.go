@@ -92,93 +92,18 @@ func TestReview3StepDuringRetimeLosesRetry(t *testing.T) {
 	}
 }
 
-// A randomized run on a fake clock: handlers fail at random and some move
-// the clock past their own deadline (late, overran, replaced). After every
-// WaitIdle: no retry overdue, sched.at never later than wakeAt, no timer
-// on the clock when no key waits, the Stats identity; no key ever on two
-// goroutines; after Stop nothing left and no timer.
-func TestReview3RandomFakeClockInvariants(t *testing.T) {
-	for seed := uint64(1); seed <= 30; seed++ {
-		r3RandomRun(t, seed)
-	}
+// exclusive notes whether a key was ever handled on two goroutines at once.
+type exclusive struct {
+	running sync.Map
+	twice   atomic.Bool
 }
 
-func r3RandomRun(t *testing.T, seed uint64) {
-	rng := rand.New(rand.NewPCG(seed, 7))
-	var rmu sync.Mutex
-	rnd := func(n int) int { rmu.Lock(); defer rmu.Unlock(); return rng.IntN(n) }
-	fc := testclock.NewFakeClock(epoch)
-	var running sync.Map
-	var twice atomic.Bool
-	drops := &dropLog{}
-	var handled atomic.Int64
-	m, err := New(HandlerFunc(func(ctx context.Context, e any) error {
-		k := keyOf(e)
-		if _, loaded := running.LoadOrStore(k, true); loaded {
-			twice.Store(true)
-		}
-		defer running.Delete(k)
-		switch rnd(10) {
-		case 0, 1, 2:
-			return errors.New("fail")
-		case 3:
-			fc.Step(time.Duration(rnd(3000)) * time.Millisecond) // time passes in the call
-		}
-		handled.Add(1)
-		return nil
-	}), WithClock(fc), WithWorkers(1+int(seed%3)), WithHandleTimeout(time.Second),
-		WithBackoff(100*time.Millisecond, 2*time.Second), WithJitter(float64(seed%2)/2),
-		WithDropHandler(drops.add), WithMaxAttempts(int(seed%4)), WithLogger(r3Quiet()))
-	require.NoError(t, err)
-	defer m.Stop()
-	settle := func(step int) {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		require.NoError(t, m.WaitIdle(ctx), "seed %d step %d: %+v", seed, step, m.Stats())
-		due, waiting := m.NextRetry()
-		if waiting {
-			require.True(t, due.After(fc.Now()), "seed %d step %d: retry due %v overdue at %v", seed, step, due, fc.Now())
-		}
-		m.mu.Lock()
-		at := m.sched.at
-		wake := m.wakeAt()
-		m.mu.Unlock()
-		if !waiting {
-			// None waiting, none is set (review4_test.go checks the other
-			// direction).
-			require.False(t, fc.HasWaiters(), "seed %d step %d: idle, no key waits, a timer set (at %v)", seed, step, at)
-		}
-		require.False(t, !wake.IsZero() && (at.IsZero() || at.After(wake)), "seed %d step %d: timer %v later than %v", seed, step, at, wake)
-		r2Balanced(t, m.Stats())
+// enter notes that k's handling began, and returns what notes its end.
+func (x *exclusive) enter(k string) (leave func()) {
+	if _, loaded := x.running.LoadOrStore(k, true); loaded {
+		x.twice.Store(true)
 	}
-	for step := 0; step < 150; step++ {
-		k := fmt.Sprintf("k%d", rnd(5))
-		switch rnd(8) {
-		case 0, 1, 2:
-			_ = m.Submit(k, ev{k, step})
-		case 3:
-			m.Backoff(k, ev{k, step})
-		case 4:
-			m.Forget(k)
-		case 5:
-			settle(step)
-			fc.Step(time.Duration(rnd(1500)) * time.Millisecond)
-		case 6:
-			settle(step)
-			if due, ok := m.NextRetry(); ok {
-				fc.SetTime(due)
-			}
-		case 7:
-			settle(step)
-		}
-	}
-	settle(-1)
-	m.Stop()
-	require.False(t, fc.HasWaiters(), "seed %d: a timer left after Stop", seed)
-	require.False(t, twice.Load(), "seed %d: a key on two goroutines", seed)
-	s := m.Stats()
-	r2Balanced(t, s)
-	require.Zero(t, s.Queued+s.EventsInBackoff+s.InFlight, "seed %d: %+v", seed, s)
+	return func() { x.running.Delete(k) }
 }
 
 func r3Quiet() *log.Entry {
@@ -207,15 +132,10 @@ func r3RealRun(t *testing.T, seed uint64) {
 	var rmu sync.Mutex
 	rnd := func(n int) int { rmu.Lock(); defer rmu.Unlock(); return rng.IntN(n) }
 	stuck := make(chan struct{})
-	var running sync.Map
-	var twice atomic.Bool
+	var keys exclusive
 	var emitted atomic.Int64
 	m, err := New(HandlerFunc(func(ctx context.Context, e any) error {
-		k := keyOf(e)
-		if _, loaded := running.LoadOrStore(k, true); loaded {
-			twice.Store(true)
-		}
-		defer running.Delete(k)
+		defer keys.enter(keyOf(e))()
 		switch rnd(6) {
 		case 0:
 			return errors.New("fail")
@@ -269,7 +189,7 @@ func r3RealRun(t *testing.T, seed uint64) {
 	}
 	feeders.Wait()
 	close(stuck)
-	require.False(t, twice.Load(), "seed %d: a key on two goroutines", seed)
+	require.False(t, keys.twice.Load(), "seed %d: a key on two goroutines", seed)
 	s := m.Stats()
 	r2Balanced(t, s)
 	require.Zero(t, s.Queued+s.EventsInBackoff+s.InFlight, "seed %d: %+v", seed, s)

@@ -97,14 +97,14 @@ func TestReview4RunLeavesResubscribeTimerOnIdleMonitor(t *testing.T) {
 	require.False(t, h.clock.HasWaiters(), "stopped monitor: a timer is left on the clock")
 }
 
-// Passing. Random histories on a fake clock, with exits (calls holding no
-// slot), handlers that move the clock, and in some runs a goroutine
-// stepping it without pause (FakeClock.Step against mu). What review 3's
-// random run does not check: after every WaitIdle with the clock still,
-// the clock holds a timer exactly when a key waits in backoff (both ways:
-// a pass stops only an overdue timer); and once the clock is moved by one
-// goroutine only, every retry is taken at SetTime(NextRetry) with no
-// WaitIdle to poke the scheduler.
+// Random histories on a fake clock, with failures, drops, exits (calls
+// holding no slot), handlers that move the clock, and in some runs a
+// goroutine stepping it without pause (FakeClock.Step against mu). After
+// every WaitIdle: the timer no later than what it times, the Stats
+// identity, and with the clock still, no retry overdue and a timer on the
+// clock exactly when a key waits in backoff; once one goroutine moves the
+// clock, every retry taken at SetTime(NextRetry) with no WaitIdle; no key
+// on two goroutines; nothing left and no timer after Stop.
 func TestReview4TimerTracksBackoffAndRetriesWithoutWaitIdle(t *testing.T) {
 	for seed := uint64(1); seed <= 24; seed++ {
 		r4Run(t, seed)
@@ -116,14 +116,10 @@ func r4Run(t *testing.T, seed uint64) {
 	var rmu sync.Mutex
 	rnd := func(n int) int { rmu.Lock(); defer rmu.Unlock(); return rng.IntN(n) }
 	fc := testclock.NewFakeClock(epoch)
-	var running sync.Map
-	var twice, still atomic.Bool // still: handlers leave the clock alone
+	var keys exclusive
+	var still atomic.Bool // handlers leave the clock alone
 	m, err := New(HandlerFunc(func(ctx context.Context, e any) error {
-		k := keyOf(e)
-		if _, loaded := running.LoadOrStore(k, true); loaded {
-			twice.Store(true)
-		}
-		defer running.Delete(k)
+		defer keys.enter(keyOf(e))()
 		switch rnd(10) {
 		case 0, 1, 2:
 			return errors.New("fail")
@@ -157,8 +153,14 @@ func r4Run(t *testing.T, seed uint64) {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
 		require.NoError(t, m.WaitIdle(ctx), "seed %d step %d: %+v", seed, step, m.Stats())
+		m.mu.Lock()
+		at, wake := m.sched.at, m.wakeAt()
+		m.mu.Unlock()
+		require.False(t, !wake.IsZero() && (at.IsZero() || at.After(wake)), "seed %d step %d: timer %v later than %v", seed, step, at, wake)
+		r2Balanced(t, m.Stats())
 		if !stepping {
-			_, waiting := m.NextRetry()
+			due, waiting := m.NextRetry()
+			require.False(t, waiting && !due.After(fc.Now()), "seed %d step %d: retry due %v overdue at %v", seed, step, due, fc.Now())
 			require.Equal(t, waiting, fc.HasWaiters(), "seed %d step %d: idle, key waiting %v, timer on the clock %v",
 				seed, step, waiting, fc.HasWaiters())
 		}
@@ -205,7 +207,7 @@ func r4Run(t *testing.T, seed uint64) {
 	}
 	m.Stop()
 	require.False(t, fc.HasWaiters(), "seed %d: a timer left after Stop", seed)
-	require.False(t, twice.Load(), "seed %d: a key on two goroutines", seed)
+	require.False(t, keys.twice.Load(), "seed %d: a key on two goroutines", seed)
 	s := m.Stats()
 	r2Balanced(t, s)
 	require.Zero(t, s.Queued+s.EventsInBackoff+s.InFlight, "seed %d: %+v", seed, s)
