@@ -20,7 +20,7 @@ func (m *Monitor) Stop() {
 	m.mu.Lock()
 	m.beginStop()
 	for len(m.calls) > 0 {
-		m.abandon(overran)
+		m.abandon("overran its deadline", overran)
 		if len(m.calls) > 0 {
 			m.cond.Wait()
 		}
@@ -45,16 +45,16 @@ func (m *Monitor) beginStop() {
 }
 
 // abandon gives up, at Stop, on the calls in the given stages: their
-// events are dropped, and their goroutines leave unseen if they ever
-// return. mu is held.
-func (m *Monitor) abandon(stages ...stage) {
+// events are dropped, saying why, and their goroutines leave unseen if
+// they ever return. mu is held.
+func (m *Monitor) abandon(why string, stages ...stage) {
 	m.calls = slices.DeleteFunc(m.calls, func(c *call) bool {
 		if !slices.Contains(stages, c.stage) {
 			return false
 		}
 		c.stage = abandoned
 		m.abandonedDrops = append(m.abandonedDrops,
-			m.dropCall(c, fmt.Errorf("%w: handler still running at its deadline, abandoned", ErrStopped)))
+			m.dropCall(c, fmt.Errorf("%w: handler %s, abandoned", ErrStopped, why)))
 		return true
 	})
 	m.changed()
@@ -109,7 +109,7 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	drained := m.state == draining && len(m.calls) == 0 && m.keys.Queued()+inBackoff == 0
 	if ctx.Err() != nil {
 		m.beginStop()
-		m.abandon(inTime, late, overran)
+		m.abandon("still running when Shutdown's ctx ended", inTime, late, overran)
 	}
 	m.mu.Unlock()
 	m.Stop()
