@@ -24,6 +24,15 @@ const (
 	abandoned              // Stop gave up on it; its goroutine leaves unseen
 )
 
+// seat is which worker slot, if any, a call runs in.
+type seat uint8
+
+const (
+	noSlot   seat = iota // an exit handled inline by its watcher
+	ownSlot              // one of the WithWorkers slots
+	gaveSlot             // it overran and gave its slot to a new worker
+)
+
 // call is one handler call and the handler's ctx: a standard context
 // (cancelled at the call's end, deadline or Stop), so contexts derived from
 // it cost no goroutine, wrapped to report the monitor clock's deadline and
@@ -38,9 +47,8 @@ type call struct {
 	replayStart bool            // its event is the first of a replay: logged as a retry
 
 	// Guarded by Monitor.mu.
-	slot     bool // it holds one of the WithWorkers slots
-	replaced bool // it overran and gave its slot to a new worker
-	stage    stage
+	seat  seat
+	stage stage
 }
 
 // Deadline is the monitor clock's start plus the handle timeout.
@@ -73,12 +81,12 @@ func (m *Monitor) takeReady() *call {
 	if k == nil {
 		return nil
 	}
-	return m.startCall(k, it, replayStart, true)
+	return m.startCall(k, it, replayStart, ownSlot)
 }
 
 // startCall registers a call of it for k, just taken. mu is held.
-func (m *Monitor) startCall(k *keyq.Key[item], it item, replayStart, slot bool) *call {
-	c := &call{key: k, it: it, replayStart: replayStart, slot: slot}
+func (m *Monitor) startCall(k *keyq.Key[item], it item, replayStart bool, s seat) *call {
+	c := &call{key: k, it: it, replayStart: replayStart, seat: s}
 	c.Context, c.cancel = context.WithCancelCause(m.base)
 	if m.cfg.handleTimeout > 0 || m.cfg.metrics != nil {
 		c.start = m.cfg.clock.Now()
@@ -133,7 +141,7 @@ func (m *Monitor) handle(c *call) (next *call) {
 			m.keys.GaveUp(c.key) // the key's next event starts after its drop is reported
 		}
 	}
-	if c.slot {
+	if c.seat == ownSlot {
 		next = m.takeReady() // before remove: the slot passes on, not back
 	}
 	m.removeCall(c)
@@ -251,7 +259,7 @@ func (m *Monitor) count(stages ...stage) int {
 func (m *Monitor) slotsHeld() int {
 	n := 0
 	for _, c := range m.calls {
-		if c.slot {
+		if c.seat == ownSlot {
 			n++
 		}
 	}

@@ -133,7 +133,7 @@ func (m *Monitor) handleExit(key string, build func() any) {
 	var c *call
 	if m.state == running {
 		if it, ok := m.keys.TakeAlone(k); ok {
-			c = m.startCall(k, it, false, false)
+			c = m.startCall(k, it, false, noSlot)
 		}
 	}
 	m.changed()

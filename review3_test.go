@@ -275,7 +275,7 @@ func TestReview3SlotsAcrossReplaceAndAbandon(t *testing.T) {
 		h.m.mu.Lock()
 		defer h.m.mu.Unlock()
 		for _, c := range h.m.calls {
-			if c.replaced {
+			if c.seat == gaveSlot {
 				replaced++
 			}
 		}
@@ -296,7 +296,7 @@ func TestReview3SlotsAcrossReplaceAndAbandon(t *testing.T) {
 	h.m.mu.Lock()
 	var first string
 	for _, c := range h.m.calls {
-		if c.replaced {
+		if c.seat == gaveSlot {
 			first = c.key.Name()
 		}
 	}

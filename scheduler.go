@@ -192,8 +192,8 @@ func (m *Monitor) expire(now time.Time) []overrun {
 	var out []overrun
 	for _, c := range stuck {
 		// At Stop no slot is given away, and no limit was reached.
-		out = append(out, overrun{limited: c.slot && m.state != stopped, fields: log.Fields{
-			"key": c.key.Name(), "running": now.Sub(c.start), "replaced": c.replaced}})
+		out = append(out, overrun{limited: c.seat == ownSlot && m.state != stopped, fields: log.Fields{
+			"key": c.key.Name(), "running": now.Sub(c.start), "replaced": c.seat == gaveSlot}})
 	}
 	return out
 }
@@ -209,13 +209,13 @@ func (m *Monitor) replaceStuck() {
 	}
 	replaced := 0
 	for _, c := range m.calls {
-		if c.replaced && c.stage == overran {
+		if c.seat == gaveSlot && c.stage == overran {
 			replaced++
 		}
 	}
 	for _, c := range m.calls {
-		if c.stage == overran && c.slot && replaced < m.cfg.maxOverruns {
-			c.slot, c.replaced = false, true
+		if c.stage == overran && c.seat == ownSlot && replaced < m.cfg.maxOverruns {
+			c.seat = gaveSlot
 			replaced++
 		}
 	}
