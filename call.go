@@ -112,17 +112,14 @@ func (m *Monitor) handle(c *call) (next *call) {
 	if c.replayStart {
 		m.logRetry(c)
 	}
+	if m.abandoned(c) {
+		return nil // Stop gave up on it before it began, and accounted for it
+	}
 	err := m.invoke(c)
 	c.cancel(context.Canceled) // what the handler started with ctx stops
 	var end time.Time
 	if err != nil || m.cfg.metrics != nil {
 		end = m.cfg.clock.Now()
-	}
-	if mt := m.cfg.metrics; mt != nil {
-		mt.HandlerDone(end.Sub(c.start), err)
-		if err == nil && c.it.failures != nil {
-			mt.Recovered(end.Sub(c.it.failures.first))
-		}
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -131,11 +128,11 @@ func (m *Monitor) handle(c *call) (next *call) {
 	}
 	overran := c.stage == overran
 	out := m.settle(c, err, end)
-	if overran || out.failed != nil {
+	if overran || out.failed != nil || m.cfg.metrics != nil {
 		c.stage = settling // WaitIdle and Stop wait for the report
 		m.changed()
 		m.mu.Unlock()
-		m.report(c, out, overran)
+		m.report(c, err, end, out, overran)
 		m.mu.Lock()
 		if out.drop != nil {
 			m.keys.GaveUp(c.key) // the key's next event starts after its drop is reported
@@ -147,6 +144,14 @@ func (m *Monitor) handle(c *call) (next *call) {
 	m.removeCall(c)
 	m.changed()
 	return next
+}
+
+// abandoned reports whether Stop gave up on c: a call taken is not made
+// once its event is dropped.
+func (m *Monitor) abandoned(c *call) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return c.stage == abandoned
 }
 
 // invoke calls the handler, turning a panic into ErrHandlerPanic.
@@ -205,9 +210,19 @@ func (m *Monitor) settle(c *call, err error, end time.Time) outcome {
 	return outcome{failed: err, drop: &d}
 }
 
-// report logs a returned call's overrun or failure and hands its drop
-// over. A failing key calls once per delay: it cannot flood the log.
-func (m *Monitor) report(c *call, out outcome, overran bool) {
+// report gives a settled call's duration to the metrics, logs its overrun
+// or failure and hands its drop over. A failing key calls once per delay:
+// it cannot flood the log.
+func (m *Monitor) report(c *call, err error, end time.Time, out outcome, overran bool) {
+	if mt := m.cfg.metrics; mt != nil {
+		mt.HandlerDone(end.Sub(c.start), err)
+		if err == nil && c.it.failures != nil {
+			mt.Recovered(end.Sub(c.it.failures.first))
+		}
+	}
+	if !overran && out.failed == nil {
+		return
+	}
 	entry := m.cfg.logger.WithFields(itemFields(c.key.Name(), c.it))
 	if overran {
 		entry.WithField("ran", m.cfg.clock.Since(c.start)).Warn("event handler returned after its deadline")

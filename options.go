@@ -109,8 +109,10 @@ func WithMaxAttempts(n int) Option { return func(c *config) { c.maxAttempts = n 
 // Submit and stream intake fail with ErrQueueFull. 0 (the default) is none.
 func WithMaxQueuedPerKey(n int) Option { return func(c *config) { c.maxQueuedPerKey = n } }
 
-// WithIntakeLimit (>= 1) pauses stream reading while n accepted events await a
-// worker, so a flood waits in the runtime, not in memory. Submit never blocks.
+// WithIntakeLimit (>= 1) pauses stream reading while n accepted events wait
+// to be handled (Stats.Queued, those behind a running call of their key
+// too), so a flood waits in the runtime, not in memory; WithMaxQueuedPerKey
+// bounds one key's share. Submit never blocks.
 func WithIntakeLimit(n int) Option { return func(c *config) { c.intakeLimit = n } }
 
 // WithDropHandler receives every event given up on, with the reason, without

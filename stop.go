@@ -16,11 +16,19 @@ import (
 // blocking drop handler or logger holds it up). Stop is idempotent and safe
 // for concurrent use. Do not call it from a handler, which it would wait
 // for until it overruns (or forever, without a timeout): go m.Stop().
-func (m *Monitor) Stop() {
+func (m *Monitor) Stop() { m.stop(context.Background()) }
+
+// stop is Stop, abandoning every call still running once ctx ends.
+func (m *Monitor) stop(ctx context.Context) {
+	defer context.AfterFunc(ctx, m.wakeWaiters)()
 	m.mu.Lock()
 	m.beginStop()
 	for len(m.calls) > 0 {
-		m.abandon("overran its deadline", overran)
+		if ctx.Err() != nil {
+			m.abandon("still running when Shutdown's ctx ended", inTime, late, overran)
+		} else {
+			m.abandon("overran its deadline", overran)
+		}
 		if len(m.calls) > 0 {
 			m.cond.Wait()
 		}
@@ -107,12 +115,8 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	stuck := m.count(overran)
 	_, inBackoff := m.keys.InBackoff()
 	drained := m.state == draining && len(m.calls) == 0 && m.keys.Queued()+inBackoff == 0
-	if ctx.Err() != nil {
-		m.beginStop()
-		m.abandon("still running when Shutdown's ctx ended", inTime, late, overran)
-	}
 	m.mu.Unlock()
-	m.Stop()
+	m.stop(ctx) // a Stop already waiting does not hold it past ctx
 	switch {
 	case drained:
 		return nil
@@ -121,7 +125,7 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	case stuck > 0:
 		return fmt.Errorf("%w: shutdown abandoned %d handler calls that overran their timeout", ErrStopped, stuck)
 	}
-	return nil
+	return fmt.Errorf("%w: Stop began before the drain finished", ErrStopped)
 }
 
 // drainable reports whether a drain can still move: a call not overran

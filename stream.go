@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/containerd/typeurl/v2"
+	"k8s.io/utils/clock"
 )
 
 // Envelope is one event as a subscriber delivers it (the fields of
@@ -229,14 +230,16 @@ func (m *Monitor) runOnce(ctx context.Context, s Subscriber, filters []string, r
 // without one). A non-nil established is called once sub is established.
 func (m *Monitor) consume(ctx context.Context, sub *subscription, established func()) (delivered bool, err error) {
 	defer context.AfterFunc(ctx, m.wakeWaiters)() // intake waiting for room gives up
+	var timer clock.Timer
 	var settled <-chan time.Time
 	if established != nil {
-		timer := m.cfg.clock.NewTimer(m.cfg.resubInitial)
+		timer = m.cfg.clock.NewTimer(m.cfg.resubInitial)
 		defer timer.Stop()
 		settled = timer.C()
 	}
 	establish := func() {
 		if established != nil {
+			timer.Stop() // an idle monitor holds no timer
 			established()
 			established, settled = nil, nil
 		}

@@ -20,6 +20,23 @@ type backoff struct {
 	begun      bool      // the replay's first event was taken
 	inCall     bool      // the call in progress is the replay's
 	progressed bool      // the replay handled one of its events
+	next       time.Time // set by PushBackoff during the replay: due once it ends
+}
+
+// Due is when a key in backoff replays (past while it replays).
+func (k *Key[T]) Due() time.Time {
+	if k.backoff == nil {
+		return time.Time{}
+	}
+	return k.backoff.due
+}
+
+// Delay is the key's backoff delay, 0 outside backoff.
+func (k *Key[T]) Delay() time.Duration {
+	if k.backoff == nil {
+		return 0
+	}
+	return k.backoff.delay
 }
 
 // doubled is 2d, capped at limit, without overflowing.

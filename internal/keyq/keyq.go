@@ -16,7 +16,8 @@
 //
 // Backoff: a failed event goes back to the head of its key's queue and the
 // key waits. When due, the events then queued are the replay; once all are
-// done with, the key leaves backoff. A replay failing before it handled any
+// done with, the key leaves backoff, unless PushBackoff added an event
+// meanwhile: then it waits again. A replay failing before it handled any
 // event doubles the delay (up to the cap); any other failure waits the
 // initial delay, so a key with independent failures keeps moving.
 package keyq
@@ -52,22 +53,6 @@ func (k *Key[T]) Phase() Phase    { return k.phase }
 func (k *Key[T]) Len() int        { return len(k.items) }
 func (k *Key[T]) Items() []T      { return k.items }
 func (k *Key[T]) InBackoff() bool { return k.backoff != nil }
-
-// Due is when a key in backoff replays (past while it replays).
-func (k *Key[T]) Due() time.Time {
-	if k.backoff == nil {
-		return time.Time{}
-	}
-	return k.backoff.due
-}
-
-// Delay is the key's backoff delay, 0 outside backoff.
-func (k *Key[T]) Delay() time.Duration {
-	if k.backoff == nil {
-		return 0
-	}
-	return k.backoff.delay
-}
 
 // Set holds every key that is not Idle.
 type Set[T any] struct {
@@ -128,12 +113,16 @@ func (s *Set[T]) Push(name string, it T) *Key[T] {
 	return k
 }
 
-// PushBackoff appends it to key's queue and, unless in backoff already,
-// puts the key in backoff, due the initial delay from now (a Running key
-// starts waiting when its call ends).
+// PushBackoff appends it to key's queue and puts the key in backoff, due
+// the initial delay from now (a Running key starts waiting when its call
+// ends). A waiting key keeps its due time; a replaying one waits again,
+// from that due time, once its replay ends.
 func (s *Set[T]) PushBackoff(name string, it T, now time.Time) *Key[T] {
 	k := s.Push(name, it)
-	if k.backoff != nil {
+	if b := k.backoff; b != nil {
+		if (b.replayLeft > 0 || b.inCall) && b.next.IsZero() {
+			b.next = s.dueAfter(now, s.delays.Initial)
+		}
 		return k
 	}
 	s.uncount(k)
@@ -195,6 +184,9 @@ func (s *Set[T]) end(k *Key[T], progressed bool) {
 		b.progressed = b.progressed || progressed
 		if b.replayLeft == 0 {
 			k.backoff = nil
+			if !b.next.IsZero() {
+				k.backoff = &backoff{delay: s.delays.Initial, due: b.next}
+			}
 		}
 	}
 	switch {
@@ -219,7 +211,7 @@ func (s *Set[T]) Failed(k *Key[T], it T, now time.Time) {
 		// due already set
 	case b != nil && b.inCall && !b.progressed:
 		b.delay = doubled(b.delay, s.delays.Max)
-		b.due, b.inCall, b.replayLeft = s.dueAfter(now, b.delay), false, 0
+		b.due, b.inCall, b.replayLeft, b.next = s.dueAfter(now, b.delay), false, 0, time.Time{}
 	default:
 		k.backoff = &backoff{delay: s.delays.Initial, due: s.dueAfter(now, s.delays.Initial)}
 	}

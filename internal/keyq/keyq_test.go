@@ -217,6 +217,24 @@ func TestPushBackoff(t *testing.T) {
 	}
 }
 
+// An event PushBackoff adds while the key replays is not part of the
+// replay: once the replay is done, the key waits again, the initial delay
+// from that push.
+func TestPushBackoffDuringReplay(t *testing.T) {
+	s := New[int](testDelays)
+	k := s.PushBackoff("a", 1, t0)
+	s.Replay(k)
+	take(t, s, "a", 1, true)
+	s.PushBackoff("a", 2, t0.Add(3*sec))
+	is(t, s, k, Running, sec, 2)
+	s.Done(k)
+	is(t, s, k, Waiting, 4*sec, 2)
+	s.Replay(k)
+	take(t, s, "a", 2, true)
+	s.Done(k)
+	is(t, s, k, Idle, none)
+}
+
 func TestForgetEarliest(t *testing.T) {
 	s := New[int](testDelays)
 	require.Nil(t, s.Forget("none"))
@@ -273,7 +291,7 @@ type mkey struct {
 	call, replayLeft                   int
 	backoff, inCall, begun, progressed bool
 	delay                              time.Duration
-	due                                time.Time
+	due, next                          time.Time
 }
 
 type model struct {
@@ -331,7 +349,11 @@ func (m *model) step(op, arg byte) {
 			m.s.Push(name, ev)
 			return
 		}
-		if m.s.PushBackoff(name, ev, m.now); !mk.backoff {
+		m.s.PushBackoff(name, ev, m.now)
+		if mk.backoff && (mk.replayLeft > 0 || mk.inCall) && mk.next.IsZero() {
+			mk.next = m.now.Add(sec) // waits again after the replay
+		}
+		if !mk.backoff {
 			*mk = mkey{events: mk.events, phase: mk.phase, call: mk.call, backoff: true, delay: sec, due: m.now.Add(sec)}
 			if mk.phase == Ready {
 				m.set(name, mk, Waiting)
@@ -360,7 +382,9 @@ func (m *model) step(op, arg byte) {
 		}
 		if m.end(mk.call); mk.backoff && mk.inCall {
 			mk.inCall, mk.progressed = false, mk.progressed || progressed
-			mk.backoff = mk.replayLeft > 0 // else the replay is over
+			if mk.backoff = mk.replayLeft > 0; !mk.backoff && !mk.next.IsZero() { // a PushBackoff during the replay
+				*mk = mkey{events: mk.events, phase: mk.phase, call: mk.call, backoff: true, delay: sec, due: mk.next}
+			}
 		}
 		switch {
 		case mk.backoff && mk.replayLeft == 0: // PushBackoff during the call
@@ -377,7 +401,7 @@ func (m *model) step(op, arg byte) {
 		case mk.backoff && !mk.inCall: // due set by PushBackoff during the call
 		case mk.backoff && !mk.progressed: // the replay failed on its first event
 			mk.delay, m.doublings = min(2*mk.delay, testDelays.Max), m.doublings+1
-			mk.due = m.now.Add(mk.delay)
+			mk.due, mk.next = m.now.Add(mk.delay), time.Time{}
 		default:
 			*mk = mkey{events: mk.events, phase: mk.phase, backoff: true, delay: sec, due: m.now.Add(sec)}
 		}
