@@ -5,10 +5,12 @@ import "time"
 // Metrics receives what Stats cannot hold: durations and drops by reason.
 // Counters and gauges are read from Stats at scrape time (see the prometheus
 // module), costing nothing on the event path. Methods run on the monitor's
-// goroutines without its lock, so must be concurrency-safe and quick. Unset,
-// Metrics costs a nil check.
+// goroutines without its lock, so must be concurrency-safe and quick:
+// WaitIdle, Stop and Shutdown wait for them. Unset, Metrics costs a nil
+// check.
 type Metrics interface {
-	// HandlerDone reports each handler call's duration and error (nil on success).
+	// HandlerDone reports each handler call's duration and error (nil on
+	// success), but for calls Stop abandoned: their events are dropped.
 	HandlerDone(d time.Duration, err error)
 	// Recovered reports an event handled after failing before, with the time
 	// since its first failure.

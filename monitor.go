@@ -165,9 +165,9 @@ func (m *Monitor) Submit(key string, event any) error {
 }
 
 // Backoff puts event straight into key's backoff queue, behind what the key
-// already holds. A key not yet in backoff waits the initial delay, and so
-// does one replaying, once its replay is done. An event the monitor cannot
-// take (stopped, full, invalid) goes to the drop handler.
+// already holds. A key not yet in backoff waits the initial delay from now,
+// and so does one replaying, though not before its replay is done. An event
+// the monitor cannot take (stopped, full, invalid) goes to the drop handler.
 func (m *Monitor) Backoff(key string, event any) {
 	m.mu.Lock()
 	_, err := m.accept(key, item{event: event}, true)

@@ -13,9 +13,9 @@ import (
 // WithHandleTimeout): it returns within about the handle timeout whatever
 // handlers do. Every event left, queued or in backoff, then goes to the
 // drop handler with ErrStopped. It waits for returned calls' reports too (a
-// blocking drop handler or logger holds it up). Stop is idempotent and safe
-// for concurrent use. Do not call it from a handler, which it would wait
-// for until it overruns (or forever, without a timeout): go m.Stop().
+// blocking drop handler, logger or Metrics holds it up). Stop is idempotent
+// and safe for concurrent use. Do not call it from a handler, which it would
+// wait for until it overruns (or forever, without a timeout): go m.Stop().
 func (m *Monitor) Stop() { m.stop(context.Background()) }
 
 // stop is Stop, abandoning every call still running once ctx ends.
@@ -100,7 +100,8 @@ func (m *Monitor) finishStop() {
 // ErrStopped. Overrunning calls do not hold it up: once nothing else can
 // move, it stops, abandoning them, and returns an error wrapping
 // ErrStopped. If ctx ends first it stops at once, abandoning every call in
-// progress, and returns ctx's error.
+// progress (a returned call's report is still waited for), and returns
+// ctx's error.
 func (m *Monitor) Shutdown(ctx context.Context) error {
 	m.endIntake()
 	defer context.AfterFunc(ctx, m.wakeWaiters)()
@@ -125,7 +126,7 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	case stuck > 0:
 		return fmt.Errorf("%w: shutdown abandoned %d handler calls that overran their timeout", ErrStopped, stuck)
 	}
-	return fmt.Errorf("%w: Stop began before the drain finished", ErrStopped)
+	return nil
 }
 
 // drainable reports whether a drain can still move: a call not overran

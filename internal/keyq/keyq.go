@@ -115,8 +115,8 @@ func (s *Set[T]) Push(name string, it T) *Key[T] {
 
 // PushBackoff appends it to key's queue and puts the key in backoff, due
 // the initial delay from now (a Running key starts waiting when its call
-// ends). A waiting key keeps its due time; a replaying one waits again,
-// from that due time, once its replay ends.
+// ends). A waiting key keeps its due time; a replaying one waits again
+// once its replay ends, until that due time.
 func (s *Set[T]) PushBackoff(name string, it T, now time.Time) *Key[T] {
 	k := s.Push(name, it)
 	if b := k.backoff; b != nil {
@@ -169,8 +169,8 @@ func (s *Set[T]) TakeAlone(k *Key[T]) (it T, ok bool) {
 }
 
 // Done ends k's call, its event handled. The key leaves backoff once its
-// replay is done, then waits (a PushBackoff during the call), is Ready, or
-// Idle.
+// replay is done, then waits (a PushBackoff during the call or replay), is
+// Ready, or Idle.
 func (s *Set[T]) Done(k *Key[T]) { s.end(k, true) }
 
 // GaveUp ends k's call, its event given up on, as Done does; a replay it
@@ -201,7 +201,8 @@ func (s *Set[T]) end(k *Key[T], progressed bool) {
 }
 
 // Failed ends k's call with its event it back at the head; the key waits
-// (keeping a due time PushBackoff gave it during the call).
+// (keeping a due time PushBackoff gave it during a call outside backoff; a
+// failed replay's own wait replaces one given during the replay).
 func (s *Set[T]) Failed(k *Key[T], it T, now time.Time) {
 	s.uncount(k)
 	k.items = slices.Insert(k.items, 0, it) // failures are rare: a copy is fine
