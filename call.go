@@ -147,8 +147,14 @@ func (m *Monitor) handle(c *call) (next *call) {
 }
 
 // abandoned reports whether Stop gave up on c: a call taken is not made
-// once its event is dropped.
+// once its event is dropped. Only a Stop begun abandons, so until then no
+// lock is taken.
 func (m *Monitor) abandoned(c *call) bool {
+	select {
+	case <-m.stopping:
+	default:
+		return false
+	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	return c.stage == abandoned

@@ -49,9 +49,3 @@ func FuzzEnvelopeIntake(f *testing.F) {
 		}
 	})
 }
-
-// maxFuzzOps bounds the operations one input runs. The model is checked
-// after every operation in time linear in its length, so a long input would
-// cost quadratic time, while a few hundred operations already reach every
-// state the code has.
-const maxFuzzOps = 512
