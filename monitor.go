@@ -40,14 +40,15 @@ type Monitor struct {
 	handler Handler
 	base    context.Context // parent of every handler context: carries the logger
 
-	mu     sync.Mutex
-	cond   sync.Cond
-	state  lifecycle
-	keys   *keyq.Set[item]
-	calls  []*call // in progress or being settled, in start order
-	stats  Stats   // counters; the gauges are derived in Stats
-	sched  schedulerState
-	stream streamState
+	mu       sync.Mutex
+	cond     sync.Cond
+	state    lifecycle
+	drainCut bool // Stop began while Shutdown's drain had work left
+	keys     *keyq.Set[item]
+	calls    []*call // in progress or being settled, in start order
+	stats    Stats   // counters; the gauges are derived in Stats
+	sched    schedulerState
+	stream   streamState
 
 	intake         context.Context // ends when Shutdown or Stop begins
 	endIntake      context.CancelFunc

@@ -68,6 +68,35 @@ func TestShutdownDeadlineDropsTheRest(t *testing.T) {
 	}
 }
 
+// A Stop that begins while Shutdown drains cuts the drain short: what was
+// left is dropped, and Shutdown says so rather than returning nil as if it
+// had drained everything.
+func TestShutdownReportsADrainCutByStop(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r)
+	r.onCall = func(ctx context.Context, e any) error {
+		if e == (ev{"a", 1}) {
+			<-ctx.Done() // held until Stop cancels it
+			return ctx.Err()
+		}
+		return nil
+	}
+	h.submit(t, ev{"a", 1}, ev{"b", 1}) // b/1 waits for the one worker
+	waitFor(t, func() bool { return r.callCount() == 1 }, "a/1 runs")
+	done := make(chan error, 1)
+	go func() { done <- h.m.Shutdown(context.Background()) }()
+	waitFor(t, h.stopping, "Shutdown began")
+	h.m.Stop()
+	err := <-done
+	require.ErrorIs(t, err, ErrStopped)
+	require.ErrorContains(t, err, "Stop began")
+	drops := h.drops.all()
+	require.Len(t, drops, 2, "a/1 failed while stopping, b/1 never ran")
+	assert.Equal(t, anys(ev{"a", 1}), drops[0].Events)
+	assert.Equal(t, anys(ev{"b", 1}), drops[1].Events)
+	require.NoError(t, h.m.Shutdown(context.Background()), "a Shutdown after the stop has nothing of its own to report")
+}
+
 func TestShutdownAndStopAreSafeTogether(t *testing.T) {
 	r := newRecorder()
 	h := newHarness(t, r, WithWorkers(2))

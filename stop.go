@@ -44,6 +44,7 @@ func (m *Monitor) beginStop() {
 	if m.state == stopped {
 		return
 	}
+	m.drainCut = m.state == draining && !m.drained()
 	m.state = stopped
 	close(m.stopping)
 	for _, c := range m.calls {
@@ -99,13 +100,14 @@ func (m *Monitor) finishStop() {
 // failing meanwhile, or still waiting at the stop, is dropped with
 // ErrStopped. Overrunning calls do not hold it up: once nothing else can
 // move, it stops, abandoning them, and returns an error wrapping
-// ErrStopped. If ctx ends first it stops at once, abandoning every call in
-// progress (a returned call's report is still waited for), and returns
-// ctx's error.
+// ErrStopped, as it does when a Stop begins before the drain is done. If
+// ctx ends first it stops at once, abandoning every call in progress (a
+// returned call's report is still waited for), and returns ctx's error.
 func (m *Monitor) Shutdown(ctx context.Context) error {
 	m.endIntake()
 	defer context.AfterFunc(ctx, m.wakeWaiters)()
 	m.mu.Lock()
+	drainer := m.state != stopped // else a Stop left it nothing to drain
 	if m.state == held || m.state == running {
 		m.state = draining
 		m.changed()
@@ -114,8 +116,8 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 		m.cond.Wait()
 	}
 	stuck := m.count(overran)
-	_, inBackoff := m.keys.InBackoff()
-	drained := m.state == draining && len(m.calls) == 0 && m.keys.Queued()+inBackoff == 0
+	drained := m.state == draining && m.drained()
+	cut := drainer && m.state == stopped && m.drainCut
 	m.mu.Unlock()
 	m.stop(ctx) // a Stop already waiting does not hold it past ctx
 	switch {
@@ -125,8 +127,16 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 		return fmt.Errorf("eventmonitor: shutdown: %w", ctx.Err())
 	case stuck > 0:
 		return fmt.Errorf("%w: shutdown abandoned %d handler calls that overran their timeout", ErrStopped, stuck)
+	case cut:
+		return fmt.Errorf("%w: Stop began before the shutdown's drain was done", ErrStopped)
 	}
 	return nil
+}
+
+// drained reports whether nothing is left to drain. mu is held.
+func (m *Monitor) drained() bool {
+	_, inBackoff := m.keys.InBackoff()
+	return len(m.calls) == 0 && m.keys.Queued()+inBackoff == 0
 }
 
 // drainable reports whether a drain can still move: a call not overran
