@@ -109,11 +109,11 @@ func (m *Monitor) work(c *call) {
 // handle makes call c, settles and reports its outcome, and returns the
 // next call its slot (if it holds one) takes on, under the same lock.
 func (m *Monitor) handle(c *call) (next *call) {
-	if c.replayStart {
-		m.logRetry(c)
-	}
 	if m.abandoned(c) {
 		return nil // Stop gave up on it before it began, and accounted for it
+	}
+	if c.replayStart {
+		m.logRetry(c)
 	}
 	err := m.invoke(c)
 	c.cancel(context.Canceled) // what the handler started with ctx stops
