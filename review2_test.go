@@ -13,25 +13,9 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// r2Balanced checks the Stats identity.
-func r2Balanced(t *testing.T, s Stats) {
-	t.Helper()
-	sum := s.Filtered + s.Ignored + s.Handled + s.Dropped + s.Forgotten +
-		uint64(s.Queued+s.EventsInBackoff+s.InFlight)
-	assert.Equal(t, s.Received, sum, "Stats identity: %+v", s)
-}
-
 type r2PtrExit struct{ code uint32 }
 
 func (p *r2PtrExit) Result() (uint32, time.Time, error) { return p.code, time.Time{}, nil }
-
-type r2Exit struct {
-	code uint32
-	at   time.Time
-	err  error
-}
-
-func (e r2Exit) Result() (uint32, time.Time, error) { return e.code, e.at, e.err }
 
 type r2ExitSeen struct {
 	code uint32
@@ -63,26 +47,26 @@ func TestReview2ExitResultOnPanicAndError(t *testing.T) {
 
 	// Result fails, with a code and time that must not be used.
 	boom := errors.New("boom")
-	ech := make(chan r2Exit, 1)
-	ech <- r2Exit{code: 7, at: epoch.Add(-time.Minute), err: boom}
+	ech := make(chan fakeExit, 1)
+	ech <- fakeExit{code: 7, at: epoch.Add(-time.Minute), err: boom}
 	<-WatchExitResult(context.Background(), h.m, "e", ech, build)
 	got = <-seen
 	assert.Equal(t, r2ExitSeen{UnknownExitCode, now, boom}, got)
 
 	// A real status passes through untouched.
-	ech <- r2Exit{code: 3, at: epoch.Add(-time.Minute)}
+	ech <- fakeExit{code: 3, at: epoch.Add(-time.Minute)}
 	<-WatchExitResult(context.Background(), h.m, "ok", ech, build)
 	assert.Equal(t, r2ExitSeen{3, epoch.Add(-time.Minute), nil}, <-seen)
 
 	// The builder panicking is a drop of nothing, counted once.
-	ech <- r2Exit{code: 1}
+	ech <- fakeExit{code: 1}
 	<-WatchExitResult(context.Background(), h.m, "bp", ech, func(uint32, time.Time, error) any { panic("bad builder") })
 	drops := h.drops.all()
 	require.Len(t, drops, 1)
 	assert.ErrorIs(t, drops[0].Reason, ErrInvalidEvent)
 	assert.Nil(t, drops[0].Events)
 	h.settled(t)
-	r2Balanced(t, h.m.Stats())
+	assertBalanced(t, h.m.Stats())
 }
 
 // dropByOrigin was rewritten: at Stop a key's queue goes out as one Drop
@@ -146,7 +130,7 @@ func TestReview2StopDropsRunsByOrigin(t *testing.T) {
 		{"", "", []int{7, 8}},
 		{"/a", "ns", []int{9}},
 	}, got)
-	r2Balanced(t, h.m.Stats())
+	assertBalanced(t, h.m.Stats())
 }
 
 type r2Big struct {
@@ -229,7 +213,7 @@ func TestReview2PoppedEventNotRetained(t *testing.T) {
 	for i, p := range ptrs {
 		assert.True(t, r2Collected(p), "event %d still reachable once its key is idle", i+1)
 	}
-	r2Balanced(t, h.m.Stats())
+	assertBalanced(t, h.m.Stats())
 }
 
 // At Stop, replaceStuck gives no slot away, so expire reports the one call
@@ -250,9 +234,9 @@ func TestReview2StopOverrunNotReportedAsLimited(t *testing.T) {
 	go func() { h.m.Stop(); close(stopped) }()
 	waitFor(t, h.stopping, "Stop began")
 	// Wait until the scheduler armed for a's deadline, then pass it and the grace.
-	rvArmed(t, h.m, func(at time.Time) bool { return at.Equal(epoch.Add(time.Second)) })
+	waitArmed(t, h.m, func(at time.Time) bool { return at.Equal(epoch.Add(time.Second)) })
 	h.clock.Step(time.Second)
-	rvArmed(t, h.m, func(at time.Time) bool { return at.Equal(epoch.Add(time.Second + 100*time.Millisecond)) })
+	waitArmed(t, h.m, func(at time.Time) bool { return at.Equal(epoch.Add(time.Second + 100*time.Millisecond)) })
 	h.clock.Step(100 * time.Millisecond)
 	select {
 	case <-stopped:

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"math/rand/v2"
 	"runtime"
 	"sync"
@@ -12,8 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/containerd/log"
-	"github.com/sirupsen/logrus"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 	"k8s.io/utils/clock"
@@ -92,26 +89,6 @@ func TestReview3StepDuringRetimeLosesRetry(t *testing.T) {
 	}
 }
 
-// exclusive notes whether a key was ever handled on two goroutines at once.
-type exclusive struct {
-	running sync.Map
-	twice   atomic.Bool
-}
-
-// enter notes that k's handling began, and returns what notes its end.
-func (x *exclusive) enter(k string) (leave func()) {
-	if _, loaded := x.running.LoadOrStore(k, true); loaded {
-		x.twice.Store(true)
-	}
-	return func() { x.running.Delete(k) }
-}
-
-func r3Quiet() *log.Entry {
-	l := logrus.New()
-	l.Out = io.Discard
-	return logrus.NewEntry(l)
-}
-
 // Real clock, tiny timeouts: calls go late, overrun, are replaced and
 // abandoned while events, backoffs and exits keep coming and Stop or
 // Shutdown races them. Stop returns, everything is accounted for, no key
@@ -122,10 +99,6 @@ func TestReview3RealClockStopRaces(t *testing.T) {
 	}
 	goleak.VerifyNone(t)
 }
-
-type r3Status struct{}
-
-func (r3Status) Result() (uint32, time.Time, error) { return 0, time.Time{}, nil }
 
 func r3RealRun(t *testing.T, seed uint64) {
 	rng := rand.New(rand.NewPCG(seed, 11))
@@ -148,7 +121,7 @@ func r3RealRun(t *testing.T, seed uint64) {
 		return nil
 	}), WithWorkers(1+int(seed%3)), WithHandleTimeout(time.Duration(1+seed%3)*time.Millisecond),
 		WithMaxOverruns(int(seed%2)), WithBackoff(time.Millisecond, 4*time.Millisecond),
-		WithDropHandler(func(d Drop) { emitted.Add(int64(max(1, len(d.Events)))) }), WithLogger(r3Quiet()))
+		WithDropHandler(func(d Drop) { emitted.Add(int64(max(1, len(d.Events)))) }), WithLogger(quietLogger()))
 	require.NoError(t, err)
 	var feeders sync.WaitGroup
 	for f := 0; f < 3; f++ {
@@ -161,8 +134,8 @@ func r3RealRun(t *testing.T, seed uint64) {
 				case 0:
 					m.Backoff(k, ev{k, j})
 				case 1:
-					ch := make(chan r3Status, 1)
-					ch <- r3Status{}
+					ch := make(chan fakeExit, 1)
+					ch <- fakeExit{}
 					WatchExit(context.Background(), m, k, ch, func(uint32, time.Time) any { return ev{k, j} })
 				default:
 					_ = m.Submit(k, ev{k, j})
@@ -191,7 +164,7 @@ func r3RealRun(t *testing.T, seed uint64) {
 	close(stuck)
 	require.False(t, keys.twice.Load(), "seed %d: a key on two goroutines", seed)
 	s := m.Stats()
-	r2Balanced(t, s)
+	assertBalanced(t, s)
 	require.Zero(t, s.Queued+s.EventsInBackoff+s.InFlight, "seed %d: %+v", seed, s)
 	require.Equal(t, s.Dropped, uint64(emitted.Load()), "seed %d: drops counted vs handed over", seed)
 	m.mu.Lock()
@@ -218,7 +191,7 @@ func TestReview3ConcurrentStepperNeverDeadlocks(t *testing.T) {
 		return nil
 	}), WithClock(fc), WithWorkers(4), WithHandleTimeout(5*time.Millisecond),
 		WithBackoff(time.Millisecond, 3*time.Millisecond), WithMaxAttempts(3),
-		WithDropHandler(drops.add), WithLogger(r3Quiet()))
+		WithDropHandler(drops.add), WithLogger(quietLogger()))
 	require.NoError(t, err)
 	stop := make(chan struct{})
 	stepped := make(chan struct{})
@@ -253,7 +226,7 @@ func TestReview3ConcurrentStepperNeverDeadlocks(t *testing.T) {
 	close(stop)
 	<-stepped
 	require.False(t, fc.HasWaiters())
-	r2Balanced(t, m.Stats())
+	assertBalanced(t, m.Stats())
 }
 
 // Slots counted from the calls: with two workers and WithMaxOverruns(1),
@@ -319,7 +292,7 @@ func TestReview3SlotsAcrossReplaceAndAbandon(t *testing.T) {
 	releaseA()
 	releaseB() // returns unseen: nothing counted twice
 	s = h.m.Stats()
-	r2Balanced(t, s)
+	assertBalanced(t, s)
 	require.Equal(t, uint64(1), s.Dropped)
 	require.Equal(t, uint64(4), s.Handled)
 }

@@ -131,7 +131,7 @@ func r4Run(t *testing.T, seed uint64) {
 		return nil
 	}), WithClock(fc), WithWorkers(1+int(seed%3)), WithHandleTimeout(time.Duration(seed%2)*time.Second),
 		WithBackoff(100*time.Millisecond, 2*time.Second), WithJitter(float64(seed%2)/2),
-		WithMaxAttempts(int(seed%4)), WithLogger(r3Quiet()), WithDropHandler(func(Drop) {}))
+		WithMaxAttempts(int(seed%4)), WithLogger(quietLogger()), WithDropHandler(func(Drop) {}))
 	require.NoError(t, err)
 	defer m.Stop()
 	stepping := seed%3 == 0
@@ -157,7 +157,7 @@ func r4Run(t *testing.T, seed uint64) {
 		at, wake := m.sched.at, m.wakeAt()
 		m.mu.Unlock()
 		require.False(t, !wake.IsZero() && (at.IsZero() || at.After(wake)), "seed %d step %d: timer %v later than %v", seed, step, at, wake)
-		r2Balanced(t, m.Stats())
+		assertBalanced(t, m.Stats())
 		if !stepping {
 			due, waiting := m.NextRetry()
 			require.False(t, waiting && !due.After(fc.Now()), "seed %d step %d: retry due %v overdue at %v", seed, step, due, fc.Now())
@@ -185,8 +185,8 @@ func r4Run(t *testing.T, seed uint64) {
 		case 7:
 			settle(step)
 		case 8:
-			ch := make(chan r3Status, 1)
-			ch <- r3Status{}
+			ch := make(chan fakeExit, 1)
+			ch <- fakeExit{}
 			<-WatchExit(context.Background(), m, k, ch, func(uint32, time.Time) any { return ev{k, step} })
 		}
 	}
@@ -209,6 +209,6 @@ func r4Run(t *testing.T, seed uint64) {
 	require.False(t, fc.HasWaiters(), "seed %d: a timer left after Stop", seed)
 	require.False(t, keys.twice.Load(), "seed %d: a key on two goroutines", seed)
 	s := m.Stats()
-	r2Balanced(t, s)
+	assertBalanced(t, s)
 	require.Zero(t, s.Queued+s.EventsInBackoff+s.InFlight, "seed %d: %+v", seed, s)
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"io"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -16,52 +15,9 @@ import (
 	testclock "k8s.io/utils/clock/testing"
 )
 
-// rvBlockHook blocks the first log call whose message contains match until
-// release is closed; blocked is closed when that call blocks.
-type rvBlockHook struct {
-	level   logrus.Level
-	match   string
-	once    sync.Once
-	blocked chan struct{}
-	release chan struct{}
-}
-
-func newRvBlockHook(level logrus.Level, match string) *rvBlockHook {
-	return &rvBlockHook{level: level, match: match, blocked: make(chan struct{}), release: make(chan struct{})}
-}
-
-func (h *rvBlockHook) Levels() []logrus.Level { return []logrus.Level{h.level} }
-
-func (h *rvBlockHook) Fire(e *logrus.Entry) error {
-	if !strings.Contains(e.Message, h.match) {
-		return nil
-	}
-	first := false
-	h.once.Do(func() { first = true })
-	if first {
-		close(h.blocked)
-		<-h.release
-	}
-	return nil
-}
-
 type rvNopFormatter struct{}
 
 func (rvNopFormatter) Format(*logrus.Entry) ([]byte, error) { return nil, nil }
-
-// rvArmed waits until the scheduler has armed its timer for a time for
-// which ok returns true, and returns it.
-func rvArmed(t *testing.T, m *Monitor, ok func(time.Time) bool) time.Time {
-	t.Helper()
-	var at time.Time
-	require.Eventually(t, func() bool {
-		m.mu.Lock()
-		defer m.mu.Unlock()
-		at = m.sched.at
-		return !at.IsZero() && ok(at)
-	}, 5*time.Second, time.Millisecond, "scheduler never armed as wanted (last %v)", at)
-	return at
-}
 
 func rvRecv(t *testing.T, ch <-chan string, want string, within time.Duration) {
 	t.Helper()
@@ -89,7 +45,7 @@ func TestReviewSchedulerLosesEarlierWakeWhileArming(t *testing.T) {
 	t0 := fc.Now()
 	logger := logrus.New()
 	logger.Out = io.Discard
-	hook := newRvBlockHook(logrus.WarnLevel, "overran its timeout")
+	hook := newBlockHook(logrus.WarnLevel, "overran its timeout")
 	logger.AddHook(hook)
 
 	handled := make(chan string, 16)
@@ -125,7 +81,7 @@ func TestReviewSchedulerLosesEarlierWakeWhileArming(t *testing.T) {
 
 	require.NoError(t, m.Submit("a", "a"))
 	rvRecv(t, handled, "a", 5*time.Second)
-	rvArmed(t, m, func(at time.Time) bool { return at.Equal(t0.Add(10 * time.Second)) })
+	waitArmed(t, m, func(at time.Time) bool { return at.Equal(t0.Add(10 * time.Second)) })
 
 	fc.Step(5 * time.Second)
 	require.NoError(t, m.Submit("c", "c")) // deadline t0+15s
@@ -147,7 +103,7 @@ func TestReviewSchedulerLosesEarlierWakeWhileArming(t *testing.T) {
 	close(hook.release)
 
 	// Wait until the scheduler armed again (anything after the stale t0+11s).
-	armed := rvArmed(t, m, func(at time.Time) bool { return at.After(t0.Add(11 * time.Second)) })
+	armed := waitArmed(t, m, func(at time.Time) bool { return at.After(t0.Add(11 * time.Second)) })
 	fc.Step(time.Second) // t0+12s: b is due
 	if armed.After(due) {
 		t.Logf("scheduler armed %v after b's due time", armed.Sub(due))
@@ -168,7 +124,7 @@ func TestReviewReportRacesNextAttemptOnFailures(t *testing.T) {
 	logger.Out = io.Discard
 	logger.Formatter = rvNopFormatter{}
 	logger.SetNoLock() // the logger itself must not order the two goroutines
-	hook := newRvBlockHook(logrus.ErrorLevel, "event handling failed")
+	hook := newBlockHook(logrus.ErrorLevel, "event handling failed")
 	logger.AddHook(hook)
 
 	h := HandlerFunc(func(ctx context.Context, e any) error { return errors.New("boom") })
@@ -188,7 +144,7 @@ func TestReviewReportRacesNextAttemptOnFailures(t *testing.T) {
 	// First call failed and was settled; its goroutine reports (and blocks
 	// in the logger) without mu.
 	require.Eventually(t, func() bool { return m.Stats().Failed == 1 }, 5*time.Second, time.Millisecond)
-	rvArmed(t, m, func(at time.Time) bool { return true })
+	waitArmed(t, m, func(at time.Time) bool { return true })
 	fc.Step(time.Second) // replay on the second worker; it fails too
 	require.Eventually(t, func() bool { return m.Stats().Failed == 2 }, 5*time.Second, time.Millisecond)
 	close(hook.release)
