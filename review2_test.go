@@ -69,70 +69,6 @@ func TestReview2ExitResultOnPanicAndError(t *testing.T) {
 	assertBalanced(t, h.m.Stats())
 }
 
-// dropByOrigin was rewritten: at Stop a key's queue goes out as one Drop
-// per run of the same topic and namespace, in order.
-func TestReview2StopDropsRunsByOrigin(t *testing.T) {
-	first := make(chan struct{})
-	var once sync.Once
-	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
-		once.Do(func() { close(first) })
-		<-ctx.Done() // the first call holds the key until Stop
-		return ctx.Err()
-	}), WithConverter(testConverter))
-	stream := newFakeStream()
-	h.m.Subscribe(stream)
-	h.m.Start()
-	sub := <-stream.newSub
-	n := 0
-	send := func(topic, ns string) {
-		n++
-		sub.send(t, &Envelope{Topic: topic, Namespace: ns, Event: payload(t, &jsonEvent{ID: "k", Code: n})})
-		want := uint64(n)
-		waitFor(t, func() bool { return h.m.Stats().Received == want }, "envelope %d accepted", n)
-	}
-	submit := func() {
-		n++
-		require.NoError(t, h.m.Submit("k", &jsonEvent{ID: "k", Code: n}))
-	}
-	send("/a", "ns") // 1: in flight
-	<-first
-	send("/a", "ns") // 2
-	send("/a", "ns") // 3
-	submit()         // 4
-	send("/b", "ns") // 5
-	send("/a", "ns") // 6
-	send("", "")     // 7: an envelope with no topic or namespace
-	submit()         // 8
-	send("/a", "ns") // 9
-	h.m.Stop()
-
-	drops := h.drops.all()
-	type group struct {
-		topic, ns string
-		codes     []int
-	}
-	var got []group
-	for _, d := range drops {
-		var codes []int
-		for _, e := range d.Events {
-			codes = append(codes, e.(*jsonEvent).Code)
-		}
-		assert.Equal(t, "k", d.Key)
-		assert.ErrorIs(t, d.Reason, ErrStopped)
-		got = append(got, group{d.Topic, d.Namespace, codes})
-	}
-	assert.Equal(t, []group{
-		{"/a", "ns", []int{1}}, // failed while shutting down
-		{"/a", "ns", []int{2, 3}},
-		{"", "", []int{4}},
-		{"/b", "ns", []int{5}},
-		{"/a", "ns", []int{6}},
-		{"", "", []int{7, 8}},
-		{"/a", "ns", []int{9}},
-	}, got)
-	assertBalanced(t, h.m.Stats())
-}
-
 type r2Big struct {
 	key string
 	seq int
@@ -214,37 +150,4 @@ func TestReview2PoppedEventNotRetained(t *testing.T) {
 		assert.True(t, r2Collected(p), "event %d still reachable once its key is idle", i+1)
 	}
 	assertBalanced(t, h.m.Stats())
-}
-
-// At Stop, replaceStuck gives no slot away, so expire reports the one call
-// that overruns while Stop waits as "limited": an Error saying
-// WithMaxOverruns was reached, with one overrun of 64 allowed.
-func TestReview2StopOverrunNotReportedAsLimited(t *testing.T) {
-	release := make(chan struct{})
-	startedCh := make(chan struct{})
-	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
-		close(startedCh)
-		<-release // ignores ctx
-		return nil
-	}), WithHandleTimeout(time.Second))
-	t.Cleanup(func() { close(release) })
-	require.NoError(t, h.m.Submit("a", "a"))
-	<-startedCh
-	stopped := make(chan struct{})
-	go func() { h.m.Stop(); close(stopped) }()
-	waitFor(t, h.stopping, "Stop began")
-	// Wait until the scheduler armed for a's deadline, then pass it and the grace.
-	waitArmed(t, h.m, func(at time.Time) bool { return at.Equal(epoch.Add(time.Second)) })
-	h.clock.Step(time.Second)
-	waitArmed(t, h.m, func(at time.Time) bool { return at.Equal(epoch.Add(time.Second + 100*time.Millisecond)) })
-	h.clock.Step(100 * time.Millisecond)
-	select {
-	case <-stopped:
-	case <-time.After(10 * time.Second):
-		t.Fatal("Stop did not abandon the overrunning call")
-	}
-	for _, e := range h.logs.AllEntries() {
-		assert.NotContains(t, e.Message, "too many handler calls overrunning",
-			"one overrun of %d allowed reported as over the limit: %v", DefaultMaxOverruns, e.Data)
-	}
 }

@@ -4,15 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"runtime"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
-	"go.uber.org/goleak"
 	"k8s.io/utils/clock"
 	testclock "k8s.io/utils/clock/testing"
 )
@@ -89,90 +86,6 @@ func TestReview3StepDuringRetimeLosesRetry(t *testing.T) {
 	}
 }
 
-// Real clock, tiny timeouts: calls go late, overrun, are replaced and
-// abandoned while events, backoffs and exits keep coming and Stop or
-// Shutdown races them. Stop returns, everything is accounted for, no key
-// runs twice, no goroutine of the monitor outlives Stop, no timer is set.
-func TestReview3RealClockStopRaces(t *testing.T) {
-	for i := 0; i < 40; i++ {
-		r3RealRun(t, uint64(i))
-	}
-	goleak.VerifyNone(t)
-}
-
-func r3RealRun(t *testing.T, seed uint64) {
-	rng := rand.New(rand.NewPCG(seed, 11))
-	var rmu sync.Mutex
-	rnd := func(n int) int { rmu.Lock(); defer rmu.Unlock(); return rng.IntN(n) }
-	stuck := make(chan struct{})
-	var keys exclusive
-	var emitted atomic.Int64
-	m, err := New(HandlerFunc(func(ctx context.Context, e any) error {
-		defer keys.enter(keyOf(e))()
-		switch rnd(6) {
-		case 0:
-			return errors.New("fail")
-		case 1:
-			<-ctx.Done()
-			return ctx.Err()
-		case 2:
-			<-stuck // ignores its ctx: overruns, is replaced, abandoned at Stop
-		}
-		return nil
-	}), WithWorkers(1+int(seed%3)), WithHandleTimeout(time.Duration(1+seed%3)*time.Millisecond),
-		WithMaxOverruns(int(seed%2)), WithBackoff(time.Millisecond, 4*time.Millisecond),
-		WithDropHandler(func(d Drop) { emitted.Add(int64(max(1, len(d.Events)))) }), WithLogger(quietLogger()))
-	require.NoError(t, err)
-	var feeders sync.WaitGroup
-	for f := 0; f < 3; f++ {
-		feeders.Add(1)
-		go func() {
-			defer feeders.Done()
-			for j := 0; j < 60; j++ {
-				k := fmt.Sprintf("k%d", rnd(6))
-				switch rnd(4) {
-				case 0:
-					m.Backoff(k, ev{k, j})
-				case 1:
-					ch := make(chan fakeExit, 1)
-					ch <- fakeExit{}
-					WatchExit(context.Background(), m, k, ch, func(uint32, time.Time) any { return ev{k, j} })
-				default:
-					_ = m.Submit(k, ev{k, j})
-				}
-			}
-		}()
-	}
-	stopped := make(chan struct{})
-	go func() {
-		defer close(stopped)
-		if seed%2 == 0 {
-			ctx, cancel := context.WithTimeout(context.Background(), time.Duration(rnd(5))*time.Millisecond)
-			defer cancel()
-			_ = m.Shutdown(ctx)
-		} else {
-			m.Stop()
-		}
-	}()
-	select {
-	case <-stopped:
-	case <-time.After(10 * time.Second):
-		close(stuck)
-		t.Fatalf("seed %d: Stop/Shutdown hangs: %+v", seed, m.Stats())
-	}
-	feeders.Wait()
-	close(stuck)
-	require.False(t, keys.twice.Load(), "seed %d: a key on two goroutines", seed)
-	s := m.Stats()
-	assertBalanced(t, s)
-	require.Zero(t, s.Queued+s.EventsInBackoff+s.InFlight, "seed %d: %+v", seed, s)
-	require.Equal(t, s.Dropped, uint64(emitted.Load()), "seed %d: drops counted vs handed over", seed)
-	m.mu.Lock()
-	require.True(t, m.sched.at.IsZero(), "seed %d: timer set after Stop", seed)
-	require.Empty(t, m.calls)
-	m.mu.Unlock()
-}
-
 // A fake clock stepped without pause by another goroutine while calls end
 // at their deadlines, fail and replay: Step holds the fake clock's lock
 // while it fires the monitor's timer, and the monitor reads that clock
@@ -227,74 +140,6 @@ func TestReview3ConcurrentStepperNeverDeadlocks(t *testing.T) {
 	<-stepped
 	require.False(t, fc.HasWaiters())
 	assertBalanced(t, m.Stats())
-}
-
-// Slots counted from the calls: with two workers and WithMaxOverruns(1),
-// of two stuck calls one gives its slot to a new worker and one keeps it;
-// when the replaced one returns the other is replaced; an abandoned call
-// leaves the list and its slot with it, and returns unseen.
-func TestReview3SlotsAcrossReplaceAndAbandon(t *testing.T) {
-	r := newRecorder()
-	h := newHarness(t, r, WithWorkers(2), WithMaxOverruns(1), WithHandleTimeout(time.Second))
-	startA, releaseA := r.gate(ev{"a", 1})
-	startB, releaseB := r.gate(ev{"b", 1})
-	defer releaseA()
-	defer releaseB()
-	h.submit(t, ev{"a", 1}, ev{"b", 1})
-	<-startA
-	<-startB
-	h.submit(t, ev{"c", 1}, ev{"d", 1})
-	slots := func() (held, calls, replaced int) {
-		h.m.mu.Lock()
-		defer h.m.mu.Unlock()
-		for _, c := range h.m.calls {
-			if c.seat == gaveSlot {
-				replaced++
-			}
-		}
-		return h.m.slotsHeld(), len(h.m.calls), replaced
-	}
-	held, calls, replaced := slots()
-	require.Equal(t, []int{2, 2, 0}, []int{held, calls, replaced})
-
-	h.clock.Step(time.Second + grace) // both overrun; one is replaced
-	waitFor(t, func() bool { return len(r.handledList()) == 2 }, "c and d on the one replacement worker")
-	held, calls, replaced = slots()
-	require.Equal(t, []int{1, 2, 1}, []int{held, calls, replaced}, "one stuck call keeps its slot, one gave it")
-	s := h.m.Stats()
-	require.Equal(t, 2, s.Overrunning)
-	require.Equal(t, 2, s.InFlight)
-
-	// The replaced one returns: the other stuck call is replaced in turn.
-	h.m.mu.Lock()
-	var first string
-	for _, c := range h.m.calls {
-		if c.seat == gaveSlot {
-			first = c.key.Name()
-		}
-	}
-	h.m.mu.Unlock()
-	if first == "a" {
-		releaseA()
-	} else {
-		releaseB()
-	}
-	waitFor(t, func() bool { _, calls, replaced := slots(); return calls == 1 && replaced == 1 }, "the other stuck call replaced")
-	held, _, _ = slots()
-	require.Zero(t, held, "no worker left busy: the stuck call gave its slot")
-	require.NoError(t, h.m.Submit("e", ev{"e", 1}))
-	waitFor(t, func() bool { return len(r.handledList()) == 4 }, "e handled beside the stuck call")
-
-	h.m.Stop() // abandons the stuck call
-	held, calls, _ = slots()
-	require.Zero(t, held+calls)
-	require.False(t, h.clock.HasWaiters(), "no timer after Stop")
-	releaseA()
-	releaseB() // returns unseen: nothing counted twice
-	s = h.m.Stats()
-	assertBalanced(t, s)
-	require.Equal(t, uint64(1), s.Dropped)
-	require.Equal(t, uint64(4), s.Handled)
 }
 
 // No lost wake-up, and no WaitIdle needed to see one: a retry due before
