@@ -17,6 +17,80 @@ import (
 	"go.uber.org/goleak"
 )
 
+func TestStopHandsOverWhatIsLeft(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r)
+	started, release := r.gate(ev{"a", 1})
+	h.submit(t, ev{"a", 1})
+	<-started
+	h.submit(t, ev{"a", 2}, ev{"b", 1})
+	h.m.Backoff("c", ev{"c", 1})
+
+	stopped := make(chan struct{})
+	go func() { h.m.Stop(); close(stopped) }()
+	waitFor(t, h.stopping, "Stop begins")
+	require.ErrorIs(t, h.m.Submit("z", ev{"z", 1}), ErrStopped)
+	select {
+	case <-stopped:
+		t.Fatal("Stop returned while a call was in flight")
+	default:
+	}
+	release()
+	<-stopped
+	h.m.Stop() // idempotent
+
+	assert.Equal(t, anys(ev{"a", 1}), r.handledList(), "the in-flight call completes")
+	drops := h.drops.all()
+	require.Len(t, drops, 3)
+	for _, d := range drops {
+		assert.ErrorIs(t, d.Reason, ErrStopped)
+	}
+	assert.Equal(t, Drop{Key: "a", Events: anys(ev{"a", 2}), Reason: ErrStopped}, drops[0])
+	assert.Equal(t, Drop{Key: "b", Events: anys(ev{"b", 1}), Reason: ErrStopped}, drops[1])
+	assert.Equal(t, Drop{Key: "c", Events: anys(ev{"c", 1}), Reason: ErrStopped}, drops[2])
+	s := h.m.Stats()
+	assert.Equal(t, s.Received, s.Handled+s.Dropped)
+	assert.Zero(t, s.KeysInBackoff)
+}
+
+func TestStopCancelsCallsInFlight(t *testing.T) {
+	got := make(chan error, 1)
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		<-ctx.Done()
+		got <- ctx.Err()
+		return nil
+	}))
+	require.NoError(t, h.m.Submit("a", ev{"a", 1}))
+	waitFor(t, func() bool { return h.m.Stats().InFlight == 1 }, "call starts")
+	h.m.Stop()
+	require.ErrorIs(t, <-got, context.Canceled)
+}
+
+func TestStopAbandonsACallThatIgnoresItsContext(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithHandleTimeout(10*time.Second))
+	started, release := r.gate(ev{"a", 1})
+	h.submit(t, ev{"a", 1})
+	<-started
+
+	stopped := make(chan struct{})
+	go func() { h.m.Stop(); close(stopped) }()
+	waitFor(t, h.stopping, "Stop begins")
+	h.clock.Step(10*time.Second + time.Second) // the deadline, then the grace of min(1 s, timeout/10)
+	<-stopped
+
+	drops := h.drops.all()
+	require.Len(t, drops, 1)
+	assert.Equal(t, "a", drops[0].Key)
+	assert.Equal(t, anys(ev{"a", 1}), drops[0].Events)
+	assert.ErrorIs(t, drops[0].Reason, ErrStopped)
+	release() // the abandoned goroutine returns and exits; goleak checks it
+	waitFor(t, func() bool { return len(r.handledList()) == 1 }, "handler returns")
+	s := h.m.Stats()
+	assert.Equal(t, uint64(0), s.Handled, "an abandoned call is not counted as handled")
+	assert.Equal(t, Stats{Received: 1, Dropped: 1}, s)
+}
+
 // At Stop a key's queue goes out as one Drop per run of the same topic and
 // namespace, in order.
 func TestStopDropsRunsByOrigin(t *testing.T) {
