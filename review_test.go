@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"io"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -18,98 +17,6 @@ import (
 type rvNopFormatter struct{}
 
 func (rvNopFormatter) Format(*logrus.Entry) ([]byte, error) { return nil, nil }
-
-func rvRecv(t *testing.T, ch <-chan string, want string, within time.Duration) {
-	t.Helper()
-	deadline := time.After(within)
-	for {
-		select {
-		case got := <-ch:
-			if got == want {
-				return
-			}
-		case <-deadline:
-			t.Fatalf("%q not handled within %v", want, within)
-		}
-	}
-}
-
-// Guarantee 4 (no lost wake-ups). A retry that comes due earlier than the
-// timer while the scheduler is held outside the lock (here by its own
-// overrun log line: user code, the logger) must still be replayed on time.
-// The scheduler once recorded the time it would arm in a second step, and
-// an earlier need arriving in between was compared against the stale time
-// and lost; the timer is now set under mu by whoever changes what is due.
-func TestReviewSchedulerLosesEarlierWakeWhileArming(t *testing.T) {
-	fc := testclock.NewFakeClock(time.Unix(1_000_000, 0))
-	t0 := fc.Now()
-	logger := logrus.New()
-	logger.Out = io.Discard
-	hook := newBlockHook(logrus.WarnLevel, "overran its timeout")
-	logger.AddHook(hook)
-
-	handled := make(chan string, 16)
-	release := make(chan struct{})
-	h := HandlerFunc(func(ctx context.Context, e any) error {
-		s := e.(string)
-		handled <- s
-		if s == "a" || s == "c" {
-			<-release // ignores ctx: a overruns
-		}
-		return nil
-	})
-	m, err := New(h, WithClock(fc), WithWorkers(4), WithHandleTimeout(10*time.Second),
-		WithBackoff(time.Second, time.Hour), WithLogger(logrus.NewEntry(logger)))
-	require.NoError(t, err)
-	var releaseOnce sync.Once
-	unblock := func() {
-		releaseOnce.Do(func() {
-			close(release)
-			select {
-			case <-hook.blocked:
-			default:
-				hook.once.Do(func() {}) // never block later
-			}
-			select {
-			case <-hook.release:
-			default:
-				close(hook.release)
-			}
-		})
-	}
-	t.Cleanup(func() { unblock(); m.Stop() })
-
-	require.NoError(t, m.Submit("a", "a"))
-	rvRecv(t, handled, "a", 5*time.Second)
-	waitArmed(t, m, func(at time.Time) bool { return at.Equal(t0.Add(10 * time.Second)) })
-
-	fc.Step(5 * time.Second)
-	require.NoError(t, m.Submit("c", "c")) // deadline t0+15s
-	rvRecv(t, handled, "c", 5*time.Second)
-
-	// t0+11s: a is past its deadline and grace. The scheduler computes its
-	// next wake-up, c's deadline t0+15s, unlocks and logs the overrun.
-	fc.Step(6 * time.Second)
-	select {
-	case <-hook.blocked:
-	case <-time.After(5 * time.Second):
-		t.Fatal("overrun never logged")
-	}
-	// b is due at t0+12s, before what the scheduler is about to arm.
-	m.Backoff("b", "b")
-	due, ok := m.NextRetry()
-	require.True(t, ok)
-	require.Equal(t, t0.Add(12*time.Second), due)
-	close(hook.release)
-
-	// Wait until the scheduler armed again (anything after the stale t0+11s).
-	armed := waitArmed(t, m, func(at time.Time) bool { return at.After(t0.Add(11 * time.Second)) })
-	fc.Step(time.Second) // t0+12s: b is due
-	if armed.After(due) {
-		t.Logf("scheduler armed %v after b's due time", armed.Sub(due))
-	}
-	rvRecv(t, handled, "b", 3*time.Second)
-}
 
 // Guarantee 7 (no data race on fields read outside the lock). report reads
 // c.it.failures.attempts (itemFields) after handle dropped mu, but the
