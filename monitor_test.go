@@ -5,8 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"runtime"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -317,4 +319,87 @@ func TestIdleKeysAreForgotten(t *testing.T) {
 	assert.Equal(t, epoch.Add(time.Second), h.m.Pending()[0].Due, "it waits the initial delay")
 	h.step(t, time.Second)
 	assert.Len(t, r.handledList(), total+1)
+}
+
+type bigEvent struct {
+	key string
+	seq int
+	_   [1 << 16]byte // big enough that the collector frees it promptly
+}
+
+// collected runs the collector until the finalizer behind done ran.
+func collected(done *atomic.Bool) bool {
+	for range 5 {
+		runtime.GC()
+		runtime.GC() // the first queues the finalizer, the second lets it run
+		if done.Load() {
+			return true
+		}
+	}
+	return false
+}
+
+// A key's queue is a plain slice: an event handled (or popped into a call)
+// must not stay reachable through the key's array while the key stays
+// busy, nor after a failure put it back with slices.Insert.
+func TestPoppedEventsAreNotRetained(t *testing.T) {
+	gates := map[int]chan struct{}{}
+	started := map[int]chan struct{}{}
+	for i := 1; i <= 6; i++ {
+		gates[i], started[i] = make(chan struct{}), make(chan struct{})
+	}
+	var failOnce sync.Once
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		seq := e.(*bigEvent).seq
+		select {
+		case <-started[seq]:
+		default:
+			close(started[seq])
+		}
+		<-gates[seq]
+		if seq == 2 {
+			var err error
+			failOnce.Do(func() { err = errors.New("once") })
+			return err
+		}
+		return nil
+	}), WithBackoff(time.Second, time.Minute))
+	t.Cleanup(func() {
+		for _, g := range gates {
+			select {
+			case <-g:
+			default:
+				close(g)
+			}
+		}
+	})
+	ptrs := make([]*atomic.Bool, 6)
+	for i := 1; i <= 6; i++ {
+		e := &bigEvent{key: "k", seq: i}
+		done := new(atomic.Bool)
+		runtime.SetFinalizer(e, func(*bigEvent) { done.Store(true) })
+		ptrs[i-1] = done
+		require.NoError(t, h.m.Submit("k", e))
+	}
+	<-started[1]
+	close(gates[1])
+	<-started[2]
+	assert.True(t, collected(ptrs[0]), "event 1, handled, still reachable while its key is busy")
+	close(gates[2]) // fails: back at the head with slices.Insert, the key waits
+	h.settled(t)
+	require.Equal(t, 5, h.m.Stats().EventsInBackoff)
+	h.clock.Step(time.Second) // replay: 2 succeeds now, 3 blocks
+	<-started[3]
+	assert.True(t, collected(ptrs[1]), "event 2, failed then handled, still reachable")
+	close(gates[3])
+	<-started[4]
+	assert.True(t, collected(ptrs[2]), "event 3 still reachable")
+	for i := 4; i <= 6; i++ {
+		close(gates[i])
+	}
+	h.settled(t)
+	for i, p := range ptrs {
+		assert.True(t, collected(p), "event %d still reachable once its key is idle", i+1)
+	}
+	assertBalanced(t, h.m.Stats())
 }

@@ -21,7 +21,7 @@ import (
 	testclock "k8s.io/utils/clock/testing"
 )
 
-// Guarantee 4 (no lost wake-ups). A retry that comes due earlier than the
+// No lost wake-ups. A retry that comes due earlier than the
 // timer while the scheduler is held outside the lock (here by its own
 // overrun log line: user code, the logger) must still be replayed on time.
 // The scheduler once recorded the time it would arm in a second step, and
