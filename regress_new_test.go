@@ -45,7 +45,7 @@ func TestRegression13DeferredStart(t *testing.T) {
 			m.Backoff("b", backedOff)
 			clk.Step(2 * time.Second) // past the backoff's initial 1 s
 			// A bounded window in which nothing may be handled.
-			if rgWaitFor(100*time.Millisecond, func() bool { return count() > 0 }) {
+			if waitUntil(100*time.Millisecond, func() bool { return count() > 0 }) {
 				t.Errorf("a monitor made WithDeferredStart handled %d events before Start or Run", count())
 			}
 
@@ -61,7 +61,7 @@ func TestRegression13DeferredStart(t *testing.T) {
 				ran := rgAsync(func() { _ = m.Run(ctx, sub) })
 				defer func() { cancel(); rgFinish(t, ran, "Run") }()
 			}
-			if !rgWaitFor(rgBound, func() bool { return count() == 2 }) {
+			if !waitUntil(rgBound, func() bool { return count() == 2 }) {
 				t.Errorf("after %s, %d of the submitted and the due backed-off event were handled within %v, want 2 (stats %+v)",
 					via, count(), rgBound, m.Stats())
 			}
