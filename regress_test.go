@@ -1,11 +1,12 @@
 package eventmonitor_test
 
-// Black-box regression tests: one test per defect found against the public
-// API. Each states the defect and the behaviour the monitor must have; on
-// the core they were written against, each fails (or gives up on its own
-// bounded wait and fails), never hangs. Those whose fix is the core rebuild
-// of issue 21 are skipped until it lands, naming the defect; remove the
-// Skip with the fix. Run them with -run Regression.
+// Black-box regression tests of the numbered defects (1–17) of the core
+// rebuild's issue (issue 21): TestRegressionN pins defect N, and defects 13
+// and 15, which came with API of their own (WithDeferredStart, MaxWorkers),
+// have a second test for that API. Each states the defect and the behaviour
+// the monitor must have; on the core they were written against, each fails
+// (or gives up on its own bounded wait and fails), never hangs. Run them
+// with -run Regression. Helpers shared with api_test.go: apiharness_test.go.
 
 import (
 	"context"
@@ -792,11 +793,12 @@ func TestRegression12IdleMonitorHoldsNoTimer(t *testing.T) {
 	}
 }
 
-// ---- 13 (the part the current API can express) ---------------------------
+// ---- 13 ------------------------------------------------------------------
 
 // Defect: New starts its workers and scheduler at once, so an idle monitor
 // costs goroutines before anything is submitted. Expected: New with nothing
-// submitted starts no goroutine. (WithDeferredStart: regress_new_test.go.)
+// submitted starts no goroutine. (WithDeferredStart:
+// TestRegression13DeferredStart.)
 func TestRegression13IdleNewStartsNoGoroutine(t *testing.T) {
 
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
@@ -806,6 +808,57 @@ func TestRegression13IdleNewStartsNoGoroutine(t *testing.T) {
 	defer m.Stop()
 	if err := goleak.Find(before); err != nil {
 		t.Errorf("an idle monitor, right after New, runs goroutines: %v", err)
+	}
+}
+
+// New behaviour: with WithDeferredStart, New handles nothing until Start or
+// Run: a Submit and a Backoff made before are not handled even when the
+// clock passes the backoff's delay; Start (bare, no Subscribe) or Run then
+// handles both, the due backoff replaying at once.
+func TestRegression13DeferredStart(t *testing.T) {
+	for _, via := range []string{"Start", "Run"} {
+		t.Run(via, func(t *testing.T) {
+			defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
+			clk := testclock.NewFakeClock(time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC))
+			var mu sync.Mutex
+			var handled []any
+			count := func() int { mu.Lock(); defer mu.Unlock(); return len(handled) }
+			m := rgNew(t, eventmonitor.HandlerFunc(func(ctx context.Context, event any) error {
+				mu.Lock()
+				handled = append(handled, event)
+				mu.Unlock()
+				return nil
+			}), eventmonitor.WithClock(clk), eventmonitor.WithDeferredStart(), eventmonitor.WithConverter(rgConverter))
+			defer m.Stop()
+
+			submitted, backedOff := &rgEvent{Key: "a"}, &rgEvent{Key: "b"}
+			if err := m.Submit("a", submitted); err != nil {
+				t.Fatal(err)
+			}
+			m.Backoff("b", backedOff)
+			clk.Step(2 * time.Second) // past the backoff's initial 1 s
+			// A bounded window in which nothing may be handled.
+			if waitUntil(100*time.Millisecond, func() bool { return count() > 0 }) {
+				t.Errorf("a monitor made WithDeferredStart handled %d events before Start or Run", count())
+			}
+
+			switch via {
+			case "Start":
+				m.Start()
+			case "Run":
+				ctx, cancel := context.WithCancel(context.Background())
+				defer cancel()
+				sub := eventmonitor.SubscriberFunc(func(ctx context.Context, _ ...string) (<-chan *eventmonitor.Envelope, <-chan error) {
+					return make(chan *eventmonitor.Envelope), nil // an open, quiet stream
+				})
+				ran := rgAsync(func() { _ = m.Run(ctx, sub) })
+				defer func() { cancel(); rgFinish(t, ran, "Run") }()
+			}
+			if !waitUntil(rgBound, func() bool { return count() == 2 }) {
+				t.Errorf("after %s, %d of the submitted and the due backed-off event were handled within %v, want 2 (stats %+v)",
+					via, count(), rgBound, m.Stats())
+			}
+		})
 	}
 }
 
@@ -860,14 +913,14 @@ func TestRegression14OverrunGrace(t *testing.T) {
 	gates["b"].open()
 }
 
-// ---- 15 (the part the current API can express) ---------------------------
+// ---- 15 ------------------------------------------------------------------
 
 type rgValueEvent struct{ ID string }
 
 // Defect: New accepts a Mux that routes only a value type T while the
 // converter keys *T (every event would be silently ignored), and any number
 // of workers. Expected: both are an error wrapping ErrInvalidOption, the
-// first naming the type. (MaxWorkers itself: regress_new_test.go.)
+// first naming the type. (MaxWorkers itself: TestRegression15MaxWorkers.)
 func TestRegression15ConfigMismatchRejected(t *testing.T) {
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	mux := eventmonitor.NewMux()
@@ -896,12 +949,36 @@ func TestRegression15ConfigMismatchRejected(t *testing.T) {
 	}
 
 	m, err = eventmonitor.New(eventmonitor.HandlerFunc(func(ctx context.Context, event any) error { return nil }),
-		eventmonitor.WithWorkers(4097)) // MaxWorkers (4096) + 1; 1_000_000 in regress_new_test.go
+		eventmonitor.WithWorkers(4097)) // MaxWorkers (4096) + 1; 1_000_000 in TestRegression15MaxWorkers
 	if m != nil {
 		m.Stop()
 	}
 	if !errors.Is(err, eventmonitor.ErrInvalidOption) {
 		t.Errorf("New(WithWorkers(4097)) = %v, want an error wrapping ErrInvalidOption (MaxWorkers is 4096)", err)
+	}
+}
+
+// New behaviour: WithWorkers is bounded by MaxWorkers (4096).
+func TestRegression15MaxWorkers(t *testing.T) {
+	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
+	if eventmonitor.MaxWorkers != 4096 {
+		t.Errorf("MaxWorkers = %d, want 4096", eventmonitor.MaxWorkers)
+	}
+	h := eventmonitor.HandlerFunc(func(ctx context.Context, event any) error { return nil })
+	m, err := eventmonitor.New(h, eventmonitor.WithWorkers(eventmonitor.MaxWorkers))
+	if err != nil {
+		t.Errorf("New(WithWorkers(MaxWorkers)) = %v, want it accepted", err)
+	} else {
+		m.Stop()
+	}
+	for _, n := range []int{eventmonitor.MaxWorkers + 1, 1_000_000} {
+		m, err := eventmonitor.New(h, eventmonitor.WithWorkers(n))
+		if m != nil {
+			m.Stop()
+		}
+		if !errors.Is(err, eventmonitor.ErrInvalidOption) {
+			t.Errorf("New(WithWorkers(%d)) = %v, want an error wrapping ErrInvalidOption", n, err)
+		}
 	}
 }
 
