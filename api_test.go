@@ -245,7 +245,7 @@ func (b *countingMetrics) Dropped(error, int)               { b.dropped.Add(1) }
 // once the replay is done, as Backoff on a key running any other call does.
 // It is not part of the replay, and once left backoff with the key when the
 // replay succeeded and was handled at once, with no delay.
-func TestBackoffDuringReplayWaits(t *testing.T) {
+func TestBackoffDuringAReplayWaitsTheInitialDelay(t *testing.T) {
 	t0 := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 	clk := testclock.NewFakeClock(t0)
 	gate := make(chan struct{})
