@@ -192,3 +192,26 @@ func TestDueHeapOrdersManyKeys(t *testing.T) {
 		assert.Equal(t, string(rune('a'+i)), e.(ev).Key)
 	}
 }
+
+// Guarantee (keyq next): the wait recorded by Backoff during a replay is
+// due the initial delay from the Backoff call, not from the replay's end:
+// a replay outlasting it leaves the event due at once, and WaitIdle sees
+// it handled with no timer or retry left.
+func TestBackoffDuringAReplayIsDueFromTheBackoffCall(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithHandleTimeout(0))
+	r.fail(ev{"a", 1}, 1)
+	h.submit(t, ev{"a", 1})
+	h.settled(t)
+	started, release := r.gate(ev{"a", 1})
+	h.clock.Step(time.Second)
+	<-started
+	h.m.Backoff("a", ev{"a", 2})
+	h.clock.Step(5 * time.Second) // the replay outlasts the initial delay
+	release()
+	h.settled(t)
+	require.Equal(t, anys(ev{"a", 1}, ev{"a", 2}), r.handledList())
+	_, ok := h.m.NextRetry()
+	require.False(t, ok)
+	require.False(t, h.clock.HasWaiters())
+}

@@ -3,7 +3,6 @@ package eventmonitor
 import (
 	"context"
 	"errors"
-	"io"
 	"math/rand/v2"
 	"runtime"
 	"strconv"
@@ -11,9 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/containerd/log"
 	"github.com/containerd/typeurl/v2"
-	"github.com/sirupsen/logrus"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 	testclock "k8s.io/utils/clock/testing"
 )
@@ -211,14 +208,6 @@ func BenchmarkBurstDrain(b *testing.B) {
 	}
 	b.ReportMetric(float64(replays)/float64(b.N), "replays/op")
 	b.ReportMetric(keys*perKey, "events/op")
-}
-
-// quietLogger discards every line, keeping none: a benchmark's failures
-// are on purpose.
-func quietLogger() *log.Entry {
-	logger := logrus.New()
-	logger.Out = io.Discard
-	return logrus.NewEntry(logger)
 }
 
 // BenchmarkMemoryPerFailedKey puts 100,000 keys in backoff the way real

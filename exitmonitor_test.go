@@ -133,3 +133,59 @@ func TestWaitIdleOnAHeldMonitorInBackoff(t *testing.T) {
 	require.NoError(t, h.m.WaitIdle(ctx))
 	assert.True(t, h.m.InBackoff("b"))
 }
+
+type ptrExit struct{ code uint32 }
+
+func (p *ptrExit) Result() (uint32, time.Time, error) { return p.code, time.Time{}, nil }
+
+type exitSeen struct {
+	code uint32
+	at   time.Time
+	err  error
+}
+
+// A status whose Result panics or fails gives UnknownExitCode at the clock's
+// now, with the panic or Result's error; a builder that panics is a drop.
+func TestWatchExitResultOnPanicAndError(t *testing.T) {
+	h := newHarness(t, HandlerFunc(func(context.Context, any) error { return nil }))
+	h.clock.Step(time.Hour)
+	now := h.clock.Now()
+	seen := make(chan exitSeen, 3)
+	build := func(code uint32, at time.Time, err error) any {
+		seen <- exitSeen{code, at, err}
+		return code
+	}
+
+	// Result panics: a nil *ptrExit.
+	pch := make(chan *ptrExit, 1)
+	pch <- nil
+	<-WatchExitResult(context.Background(), h.m, "p", pch, build)
+	got := <-seen
+	assert.Equal(t, uint32(UnknownExitCode), got.code)
+	assert.Equal(t, now, got.at)
+	require.Error(t, got.err)
+	assert.Contains(t, got.err.Error(), "reading the exit status panicked")
+
+	// Result fails, with a code and time that must not be used.
+	boom := errors.New("boom")
+	ech := make(chan fakeExit, 1)
+	ech <- fakeExit{code: 7, at: epoch.Add(-time.Minute), err: boom}
+	<-WatchExitResult(context.Background(), h.m, "e", ech, build)
+	got = <-seen
+	assert.Equal(t, exitSeen{UnknownExitCode, now, boom}, got)
+
+	// A real status passes through untouched.
+	ech <- fakeExit{code: 3, at: epoch.Add(-time.Minute)}
+	<-WatchExitResult(context.Background(), h.m, "ok", ech, build)
+	assert.Equal(t, exitSeen{3, epoch.Add(-time.Minute), nil}, <-seen)
+
+	// The builder panicking is a drop of nothing, counted once.
+	ech <- fakeExit{code: 1}
+	<-WatchExitResult(context.Background(), h.m, "bp", ech, func(uint32, time.Time, error) any { panic("bad builder") })
+	drops := h.drops.all()
+	require.Len(t, drops, 1)
+	assert.ErrorIs(t, drops[0].Reason, ErrInvalidEvent)
+	assert.Nil(t, drops[0].Events)
+	h.settled(t)
+	assertBalanced(t, h.m.Stats())
+}

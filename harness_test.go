@@ -3,12 +3,17 @@ package eventmonitor
 import (
 	"context"
 	"fmt"
+	"io"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/containerd/log"
 	"github.com/sirupsen/logrus"
 	logtest "github.com/sirupsen/logrus/hooks/test"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 	testclock "k8s.io/utils/clock/testing"
@@ -249,4 +254,79 @@ func (h *harness) stopping() bool {
 	h.m.mu.Lock()
 	defer h.m.mu.Unlock()
 	return h.m.state != running && h.m.state != held
+}
+
+// quietLogger discards every line, keeping none: for tests and benchmarks
+// whose failures are on purpose and whose log nobody reads.
+func quietLogger() *log.Entry {
+	logger := logrus.New()
+	logger.Out = io.Discard
+	return logrus.NewEntry(logger)
+}
+
+// assertBalanced checks the Stats identity: every event received is
+// filtered, ignored, handled, dropped, forgotten, queued, in backoff or in
+// flight.
+func assertBalanced(t *testing.T, s Stats) {
+	t.Helper()
+	sum := s.Filtered + s.Ignored + s.Handled + s.Dropped + s.Forgotten +
+		uint64(s.Queued+s.EventsInBackoff+s.InFlight)
+	assert.Equal(t, s.Received, sum, "Stats identity: %+v", s)
+}
+
+// exclusive notes whether a key was ever handled on two goroutines at once.
+type exclusive struct {
+	running sync.Map
+	twice   atomic.Bool
+}
+
+// enter notes that k's handling began, and returns what notes its end.
+func (x *exclusive) enter(k string) (leave func()) {
+	if _, loaded := x.running.LoadOrStore(k, true); loaded {
+		x.twice.Store(true)
+	}
+	return func() { x.running.Delete(k) }
+}
+
+// waitArmed waits until the scheduler has armed its timer for a time for
+// which ok returns true, and returns it.
+func waitArmed(t *testing.T, m *Monitor, ok func(time.Time) bool) time.Time {
+	t.Helper()
+	var at time.Time
+	require.Eventually(t, func() bool {
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		at = m.sched.at
+		return !at.IsZero() && ok(at)
+	}, 5*time.Second, time.Millisecond, "scheduler never armed as wanted (last %v)", at)
+	return at
+}
+
+// blockHook blocks the first log call whose message contains match until
+// release is closed; blocked is closed when that call blocks.
+type blockHook struct {
+	level   logrus.Level
+	match   string
+	once    sync.Once
+	blocked chan struct{}
+	release chan struct{}
+}
+
+func newBlockHook(level logrus.Level, match string) *blockHook {
+	return &blockHook{level: level, match: match, blocked: make(chan struct{}), release: make(chan struct{})}
+}
+
+func (h *blockHook) Levels() []logrus.Level { return []logrus.Level{h.level} }
+
+func (h *blockHook) Fire(e *logrus.Entry) error {
+	if !strings.Contains(e.Message, h.match) {
+		return nil
+	}
+	first := false
+	h.once.Do(func() { first = true })
+	if first {
+		close(h.blocked)
+		<-h.release
+	}
+	return nil
 }

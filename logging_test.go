@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"testing"
 	"time"
 
@@ -12,6 +13,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/types/known/wrapperspb"
+	testclock "k8s.io/utils/clock/testing"
 )
 
 // entries returns the log entries with message msg.
@@ -150,4 +152,47 @@ func TestHandlerLogsWithItsKey(t *testing.T) {
 	for _, line := range lines {
 		assert.Equal(t, map[int]string{1: "c1", 2: "c2"}[line.Data["event"].(int)], line.Data["key"])
 	}
+}
+
+type nopFormatter struct{}
+
+func (nopFormatter) Format(*logrus.Entry) ([]byte, error) { return nil, nil }
+
+// No data race on fields read outside the lock. report once read
+// c.it.failures.attempts (itemFields) after handle dropped mu, but the
+// *failures is shared with the event's next call: once settle put the
+// event back, the scheduler may replay it on another worker whose settle
+// does it.failures.attempts++ under mu while the first goroutine is still
+// reporting (the logger is user code and may take its time). Run with
+// -race.
+func TestFailureReportDoesNotRaceTheNextAttempt(t *testing.T) {
+	fc := testclock.NewFakeClock(time.Unix(1_000_000, 0))
+	logger := logrus.New()
+	logger.Out = io.Discard
+	logger.Formatter = nopFormatter{}
+	logger.SetNoLock() // the logger itself must not order the two goroutines
+	hook := newBlockHook(logrus.ErrorLevel, "event handling failed")
+	logger.AddHook(hook)
+
+	h := HandlerFunc(func(ctx context.Context, e any) error { return errors.New("boom") })
+	m, err := New(h, WithClock(fc), WithWorkers(2), WithBackoff(time.Second, time.Hour),
+		WithLogger(logrus.NewEntry(logger)))
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		select {
+		case <-hook.release:
+		default:
+			close(hook.release)
+		}
+		m.Stop()
+	})
+
+	require.NoError(t, m.Submit("k", "e"))
+	// First call failed and was settled; its goroutine reports (and blocks
+	// in the logger) without mu.
+	require.Eventually(t, func() bool { return m.Stats().Failed == 1 }, 5*time.Second, time.Millisecond)
+	waitArmed(t, m, func(at time.Time) bool { return true })
+	fc.Step(time.Second) // replay on the second worker; it fails too
+	require.Eventually(t, func() bool { return m.Stats().Failed == 2 }, 5*time.Second, time.Millisecond)
+	close(hook.release)
 }

@@ -1,8 +1,11 @@
 package eventmonitor
 
 import (
+	"context"
 	"errors"
+	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -77,4 +80,97 @@ func TestMetricsRecoveryTime(t *testing.T) {
 	mt.mu.Lock()
 	defer mt.mu.Unlock()
 	require.Equal(t, []time.Duration{3 * time.Second}, mt.recovered, "measured from the first failure")
+}
+
+type countingMetrics struct{ done, dropped atomic.Int64 }
+
+func (r *countingMetrics) HandlerDone(time.Duration, error) { r.done.Add(1) }
+func (r *countingMetrics) Recovered(time.Duration)          {}
+func (r *countingMetrics) Dropped(_ error, n int)           { r.dropped.Add(int64(n)) }
+
+// Guarantee (metrics from report): with failures, Backoff from handlers
+// (during replays), Forget, overruns ignoring ctx, and a Shutdown whose ctx
+// ends racing a Stop, every Stats snapshot balances, no key runs twice at
+// once, and in the end HandlerDone was reported exactly once per settled
+// call (Handled + Failed + Ignored: none for abandoned ones) and the
+// Dropped metric matches Stats.Dropped and the drop handler.
+func TestMetricsMatchStatsUnderAbandonment(t *testing.T) {
+	mt := &countingMetrics{}
+	var running sync.Map
+	var twice atomic.Int32
+	var active, n atomic.Int64
+	var m *Monitor
+	handler := HandlerFunc(func(ctx context.Context, e any) error {
+		active.Add(1)
+		defer active.Add(-1)
+		k := keyOf(e)
+		if _, loaded := running.LoadOrStore(k, true); loaded {
+			twice.Add(1)
+		}
+		defer running.Delete(k)
+		i := n.Add(1)
+		switch i % 7 {
+		case 0:
+			return errors.New("fail")
+		case 1:
+			m.Backoff(k, ev{k, int(i)})
+		case 2:
+			return ErrUnsupportedEvent
+		case 3:
+			if i%21 == 3 {
+				time.Sleep(15 * time.Millisecond) // handler work overrunning, ignoring ctx
+			}
+		}
+		return nil
+	})
+	var drops atomic.Int64
+	var err error
+	m, err = New(handler, WithMetrics(mt), WithWorkers(3), WithHandleTimeout(5*time.Millisecond),
+		WithBackoff(time.Millisecond, 3*time.Millisecond), WithMaxAttempts(3), WithLogger(quietLogger()),
+		WithDropHandler(func(d Drop) { drops.Add(int64(max(1, len(d.Events)))) }))
+	require.NoError(t, err)
+	quit := make(chan struct{})
+	sampled := make(chan struct{})
+	go func() {
+		defer close(sampled)
+		for {
+			select {
+			case <-quit:
+				return
+			case <-time.After(100 * time.Microsecond):
+			}
+			s := m.Stats()
+			if rhs := s.Filtered + s.Ignored + s.Handled + s.Dropped + s.Forgotten +
+				uint64(s.Queued) + uint64(s.EventsInBackoff) + uint64(s.InFlight); rhs != s.Received {
+				t.Errorf("Stats identity: %+v", s)
+				return
+			}
+		}
+	}()
+	for i := 0; i < 400; i++ {
+		k := fmt.Sprint("k", i%6)
+		if i%3 == 0 {
+			m.Backoff(k, ev{k, -i})
+		} else {
+			_ = m.Submit(k, ev{k, -i})
+		}
+		if i%50 == 0 {
+			m.Forget(k)
+		}
+	}
+	waitFor(t, func() bool { return m.Stats().Handled >= 50 }, "progress")
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Millisecond)
+	defer cancel()
+	go m.Stop()
+	_ = m.Shutdown(ctx)
+	m.Stop()
+	close(quit)
+	<-sampled
+	waitFor(t, func() bool { return active.Load() == 0 }, "abandoned handlers return")
+	s := m.Stats()
+	require.Zero(t, s.InFlight)
+	require.Zero(t, twice.Load(), "a key ran on two goroutines")
+	require.Equal(t, int64(s.Dropped), drops.Load())
+	require.Equal(t, int64(s.Dropped), mt.dropped.Load())
+	require.Equal(t, int64(s.Handled+s.Failed+s.Ignored), mt.done.Load(), "%+v", s)
 }

@@ -5,8 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"runtime"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -236,106 +238,6 @@ func TestHandlerContextDoneRacesTheReturn(t *testing.T) {
 	}
 }
 
-func TestOverrunningCallHoldsItsKey(t *testing.T) {
-	r := newRecorder()
-	h := newHarness(t, r, WithWorkers(2), WithHandleTimeout(time.Second))
-	started, release := r.gate(ev{"a", 1}) // ignores its ctx
-	defer release()
-	h.submit(t, ev{"a", 1})
-	<-started
-	h.clock.Step(5 * time.Second)
-	waitFor(t, func() bool {
-		return h.logged("event handler overran its timeout; its key stays held until it returns", "a")
-	}, "the overrun is logged with its key")
-
-	// a/2 queues behind the overrunning call; b, submitted after it, runs on
-	// the free worker. Had a/2 been runnable, that worker would have taken it first.
-	h.submit(t, ev{"a", 2}, ev{"b", 1})
-	waitFor(t, func() bool { return len(r.handledList()) == 1 }, "b handled")
-	assert.Equal(t, anys(ev{"b", 1}), r.handledList())
-	assert.Equal(t, 1, h.m.Stats().Queued)
-
-	release()
-	waitFor(t, func() bool { return len(r.handledList()) == 3 }, "a/1 then a/2")
-	assert.Equal(t, anys(ev{"b", 1}, ev{"a", 1}, ev{"a", 2}), r.handledList())
-	assert.True(t, h.logged("event handler returned after its deadline", "a"))
-	assert.Equal(t, 1, r.maxConc["a"])
-}
-
-func TestStopHandsOverWhatIsLeft(t *testing.T) {
-	r := newRecorder()
-	h := newHarness(t, r)
-	started, release := r.gate(ev{"a", 1})
-	h.submit(t, ev{"a", 1})
-	<-started
-	h.submit(t, ev{"a", 2}, ev{"b", 1})
-	h.m.Backoff("c", ev{"c", 1})
-
-	stopped := make(chan struct{})
-	go func() { h.m.Stop(); close(stopped) }()
-	waitFor(t, h.stopping, "Stop begins")
-	require.ErrorIs(t, h.m.Submit("z", ev{"z", 1}), ErrStopped)
-	select {
-	case <-stopped:
-		t.Fatal("Stop returned while a call was in flight")
-	default:
-	}
-	release()
-	<-stopped
-	h.m.Stop() // idempotent
-
-	assert.Equal(t, anys(ev{"a", 1}), r.handledList(), "the in-flight call completes")
-	drops := h.drops.all()
-	require.Len(t, drops, 3)
-	for _, d := range drops {
-		assert.ErrorIs(t, d.Reason, ErrStopped)
-	}
-	assert.Equal(t, Drop{Key: "a", Events: anys(ev{"a", 2}), Reason: ErrStopped}, drops[0])
-	assert.Equal(t, Drop{Key: "b", Events: anys(ev{"b", 1}), Reason: ErrStopped}, drops[1])
-	assert.Equal(t, Drop{Key: "c", Events: anys(ev{"c", 1}), Reason: ErrStopped}, drops[2])
-	s := h.m.Stats()
-	assert.Equal(t, s.Received, s.Handled+s.Dropped)
-	assert.Zero(t, s.KeysInBackoff)
-}
-
-func TestStopCancelsCallsInFlight(t *testing.T) {
-	got := make(chan error, 1)
-	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
-		<-ctx.Done()
-		got <- ctx.Err()
-		return nil
-	}))
-	require.NoError(t, h.m.Submit("a", ev{"a", 1}))
-	waitFor(t, func() bool { return h.m.Stats().InFlight == 1 }, "call starts")
-	h.m.Stop()
-	require.ErrorIs(t, <-got, context.Canceled)
-}
-
-func TestStopAbandonsACallThatIgnoresItsContext(t *testing.T) {
-	r := newRecorder()
-	h := newHarness(t, r, WithHandleTimeout(10*time.Second))
-	started, release := r.gate(ev{"a", 1})
-	h.submit(t, ev{"a", 1})
-	<-started
-
-	stopped := make(chan struct{})
-	go func() { h.m.Stop(); close(stopped) }()
-	waitFor(t, h.stopping, "Stop begins")
-	h.clock.Step(10*time.Second + time.Second) // the deadline, then the grace of min(1 s, timeout/10)
-	<-stopped
-
-	drops := h.drops.all()
-	require.Len(t, drops, 1)
-	assert.Equal(t, "a", drops[0].Key)
-	assert.Equal(t, anys(ev{"a", 1}), drops[0].Events)
-	assert.ErrorIs(t, drops[0].Reason, ErrStopped)
-	release() // the abandoned goroutine returns and exits; goleak checks it
-	waitFor(t, func() bool { return len(r.handledList()) == 1 }, "handler returns")
-	s := h.m.Stats()
-	assert.Equal(t, uint64(0), s.Handled, "an abandoned call is not counted as handled")
-	assert.Equal(t, Stats{Received: 1, Dropped: 1}, s)
-}
-
 func TestPanicIsAFailure(t *testing.T) {
 	calls := 0
 	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
@@ -417,4 +319,87 @@ func TestIdleKeysAreForgotten(t *testing.T) {
 	assert.Equal(t, epoch.Add(time.Second), h.m.Pending()[0].Due, "it waits the initial delay")
 	h.step(t, time.Second)
 	assert.Len(t, r.handledList(), total+1)
+}
+
+type bigEvent struct {
+	key string
+	seq int
+	_   [1 << 16]byte // big enough that the collector frees it promptly
+}
+
+// collected runs the collector until the finalizer behind done ran.
+func collected(done *atomic.Bool) bool {
+	for range 5 {
+		runtime.GC()
+		runtime.GC() // the first queues the finalizer, the second lets it run
+		if done.Load() {
+			return true
+		}
+	}
+	return false
+}
+
+// A key's queue is a plain slice: an event handled (or popped into a call)
+// must not stay reachable through the key's array while the key stays
+// busy, nor after a failure put it back with slices.Insert.
+func TestPoppedEventsAreNotRetained(t *testing.T) {
+	gates := map[int]chan struct{}{}
+	started := map[int]chan struct{}{}
+	for i := 1; i <= 6; i++ {
+		gates[i], started[i] = make(chan struct{}), make(chan struct{})
+	}
+	var failOnce sync.Once
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		seq := e.(*bigEvent).seq
+		select {
+		case <-started[seq]:
+		default:
+			close(started[seq])
+		}
+		<-gates[seq]
+		if seq == 2 {
+			var err error
+			failOnce.Do(func() { err = errors.New("once") })
+			return err
+		}
+		return nil
+	}), WithBackoff(time.Second, time.Minute))
+	t.Cleanup(func() {
+		for _, g := range gates {
+			select {
+			case <-g:
+			default:
+				close(g)
+			}
+		}
+	})
+	ptrs := make([]*atomic.Bool, 6)
+	for i := 1; i <= 6; i++ {
+		e := &bigEvent{key: "k", seq: i}
+		done := new(atomic.Bool)
+		runtime.SetFinalizer(e, func(*bigEvent) { done.Store(true) })
+		ptrs[i-1] = done
+		require.NoError(t, h.m.Submit("k", e))
+	}
+	<-started[1]
+	close(gates[1])
+	<-started[2]
+	assert.True(t, collected(ptrs[0]), "event 1, handled, still reachable while its key is busy")
+	close(gates[2]) // fails: back at the head with slices.Insert, the key waits
+	h.settled(t)
+	require.Equal(t, 5, h.m.Stats().EventsInBackoff)
+	h.clock.Step(time.Second) // replay: 2 succeeds now, 3 blocks
+	<-started[3]
+	assert.True(t, collected(ptrs[1]), "event 2, failed then handled, still reachable")
+	close(gates[3])
+	<-started[4]
+	assert.True(t, collected(ptrs[2]), "event 3 still reachable")
+	for i := 4; i <= 6; i++ {
+		close(gates[i])
+	}
+	h.settled(t)
+	for i, p := range ptrs {
+		assert.True(t, collected(p), "event %d still reachable once its key is idle", i+1)
+	}
+	assertBalanced(t, h.m.Stats())
 }

@@ -1,16 +1,16 @@
 package eventmonitor_test
 
-// Black-box regression tests: one test per defect found against the public
-// API. Each states the defect and the behaviour the monitor must have; on
-// the core they were written against, each fails (or gives up on its own
-// bounded wait and fails), never hangs. Those whose fix is the core rebuild
-// of issue 21 are skipped until it lands, naming the defect; remove the
-// Skip with the fix. Run them with -run Regression.
+// Black-box regression tests of the numbered defects (1–17) of the core
+// rebuild's issue (issue 21): TestRegressionN pins defect N, and defects 13
+// and 15, which came with API of their own (WithDeferredStart, MaxWorkers),
+// have a second test for that API. Each states the defect and the behaviour
+// the monitor must have; on the core they were written against, each fails
+// (or gives up on its own bounded wait and fails), never hangs. Run them
+// with -run Regression. Helpers shared with api_test.go: apiharness_test.go.
 
 import (
 	"context"
 	"errors"
-	"io"
 	"math"
 	"runtime"
 	"strings"
@@ -34,21 +34,6 @@ import (
 // rgBound bounds every wait for something that must happen.
 const rgBound = 2 * time.Second
 
-// rgWaitFor polls cond every millisecond until it holds or within has passed,
-// and reports whether it held.
-func rgWaitFor(within time.Duration, cond func() bool) bool {
-	deadline := time.Now().Add(within)
-	for {
-		if cond() {
-			return true
-		}
-		if time.Now().After(deadline) {
-			return false
-		}
-		time.Sleep(time.Millisecond)
-	}
-}
-
 // rgAsync runs fn in a goroutine and returns a channel closed when it returned.
 func rgAsync(fn func()) <-chan struct{} {
 	done := make(chan struct{})
@@ -59,21 +44,11 @@ func rgAsync(fn func()) <-chan struct{} {
 	return done
 }
 
-// rgWithin reports whether ch closes within d.
-func rgWithin(ch <-chan struct{}, d time.Duration) bool {
-	select {
-	case <-ch:
-		return true
-	case <-time.After(d):
-		return false
-	}
-}
-
 // rgFinish waits (bounded) for something the test released to end, failing
 // the test hard if it does not: the test must not leave it running.
 func rgFinish(t *testing.T, ch <-chan struct{}, what string) {
 	t.Helper()
-	if !rgWithin(ch, 5*time.Second) {
+	if !closesWithin(ch, 5*time.Second) {
 		t.Fatalf("%s did not end within 5s even after every handler was released", what)
 	}
 }
@@ -111,72 +86,11 @@ func (g *rgGate) waitEntered(t *testing.T) any {
 	}
 }
 
-// rgDrops records what reached the drop handler.
-type rgDrops struct {
-	mu    sync.Mutex
-	drops []eventmonitor.Drop
-}
-
-func (r *rgDrops) record(d eventmonitor.Drop) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.drops = append(r.drops, d)
-}
-
-// reason returns the reason event was dropped for, and whether it was.
-func (r *rgDrops) reason(event any) (error, bool) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	for _, d := range r.drops {
-		for _, e := range d.Events {
-			if e == event {
-				return d.Reason, true
-			}
-		}
-	}
-	return nil, false
-}
-
-func (r *rgDrops) count(match func(any) bool) int {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	n := 0
-	for _, d := range r.drops {
-		for _, e := range d.Events {
-			if match(e) {
-				n++
-			}
-		}
-	}
-	return n
-}
-
-// requireDroppedStopped fails t unless event reached the drop handler with a
-// reason wrapping ErrStopped.
-func (r *rgDrops) requireDroppedStopped(t *testing.T, event any) {
-	t.Helper()
-	reason, ok := r.reason(event)
-	switch {
-	case !ok:
-		t.Errorf("event %v never reached the drop handler", event)
-	case !errors.Is(reason, eventmonitor.ErrStopped):
-		t.Errorf("event %v dropped with %v, want an error wrapping ErrStopped", event, reason)
-	}
-}
-
 // rgEvent is a test event; pointers compare by identity.
 type rgEvent struct {
 	Key string
 	N   int
 }
-
-// rgExitStatus is a runtime's exit status.
-type rgExitStatus struct {
-	code uint32
-	at   time.Time
-}
-
-func (s rgExitStatus) Result() (uint32, time.Time, error) { return s.code, s.at, nil }
 
 // rgPayload is a typeurl.Any whose value is "key/n".
 type rgPayload string
@@ -191,16 +105,9 @@ var rgConverter = eventmonitor.ConverterFunc(func(p typeurl.Any) (string, any, e
 	return key, v, nil
 })
 
-// rgQuiet is a logger that writes nowhere; tests that read logs set their own.
-func rgQuiet() *logrus.Entry {
-	l := logrus.New()
-	l.Out = io.Discard
-	return logrus.NewEntry(l)
-}
-
 func rgNew(t *testing.T, h eventmonitor.Handler, opts ...eventmonitor.Option) *eventmonitor.Monitor {
 	t.Helper()
-	m, err := eventmonitor.New(h, append([]eventmonitor.Option{eventmonitor.WithLogger(rgQuiet())}, opts...)...)
+	m, err := eventmonitor.New(h, append([]eventmonitor.Option{eventmonitor.WithLogger(quietLogger())}, opts...)...)
 	if err != nil {
 		t.Fatalf("New: %v", err)
 	}
@@ -219,15 +126,15 @@ func TestRegression1StopBoundedBehindInlineExit(t *testing.T) {
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	gate := newRgGate()
 	defer gate.open()
-	var drops rgDrops
+	var drops dropRecorder
 	m := rgNew(t, eventmonitor.HandlerFunc(func(ctx context.Context, event any) error {
 		gate.block(event)
 		return nil
 	}), eventmonitor.WithHandleTimeout(100*time.Millisecond), eventmonitor.WithDropHandler(drops.record))
 
 	exit := &rgEvent{Key: "c1", N: 137}
-	exitCh := make(chan rgExitStatus, 1)
-	exitCh <- rgExitStatus{code: 137, at: time.Now()}
+	exitCh := make(chan exitStatus, 1)
+	exitCh <- exitStatus{code: 137, at: time.Now()}
 	watched := eventmonitor.WatchExit(context.Background(), m, "c1", exitCh,
 		func(code uint32, _ time.Time) any { return exit })
 	if got := gate.waitEntered(t); got != exit {
@@ -236,7 +143,7 @@ func TestRegression1StopBoundedBehindInlineExit(t *testing.T) {
 
 	start := time.Now()
 	stopped := rgAsync(m.Stop)
-	returned := rgWithin(stopped, 2*time.Second)
+	returned := closesWithin(stopped, 2*time.Second)
 	elapsed := time.Since(start)
 	gate.open()
 	if !returned {
@@ -261,7 +168,7 @@ func TestRegression2ShutdownBoundedAtOverrunLimit(t *testing.T) {
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	gate := newRgGate()
 	defer gate.open()
-	var drops rgDrops
+	var drops dropRecorder
 	stuck, queued := &rgEvent{Key: "stuck"}, &rgEvent{Key: "other"}
 	m := rgNew(t, eventmonitor.HandlerFunc(func(ctx context.Context, event any) error {
 		if event == stuck {
@@ -281,7 +188,7 @@ func TestRegression2ShutdownBoundedAtOverrunLimit(t *testing.T) {
 
 	var shutdownErr error
 	done := rgAsync(func() { shutdownErr = m.Shutdown(context.Background()) })
-	returned := rgWithin(done, 3*time.Second)
+	returned := closesWithin(done, 3*time.Second)
 	if !returned {
 		t.Errorf("Shutdown(context.Background()) did not return within 3s with the overrun bound reached (stats %+v)", m.Stats())
 	}
@@ -352,7 +259,7 @@ func TestRegression3ForgetWakesStreamIntake(t *testing.T) {
 	gate.waitEntered(t)
 	send("x/1")
 	send("x/2")
-	if !rgWaitFor(rgBound, func() bool { s := m.Stats(); return s.Received == 3 && s.Queued == 2 }) {
+	if !waitUntil(rgBound, func() bool { s := m.Stats(); return s.Received == 3 && s.Queued == 2 }) {
 		t.Fatalf("x's events not queued: %+v", m.Stats())
 	}
 	send("hold/1")
@@ -365,7 +272,7 @@ func TestRegression3ForgetWakesStreamIntake(t *testing.T) {
 	openConv()
 	// The batch [hold/1, y/1] counts hold/1 as ignored, then waits for room
 	// for y/1: the count shows once the reader waits (it holds the lock till then).
-	if !rgWaitFor(rgBound, func() bool { s := m.Stats(); return s.Ignored == 1 && s.Received == 4 }) {
+	if !waitUntil(rgBound, func() bool { s := m.Stats(); return s.Ignored == 1 && s.Received == 4 }) {
 		t.Fatalf("the reader is not waiting for room for y: %+v", m.Stats())
 	}
 
@@ -373,7 +280,7 @@ func TestRegression3ForgetWakesStreamIntake(t *testing.T) {
 	if len(forgotten) != 2 || forgotten[0] != "x/1" || forgotten[1] != "x/2" {
 		t.Errorf("Forget(x) = %v, want [x/1 x/2]", forgotten)
 	}
-	if !rgWaitFor(rgBound, func() bool { return m.Stats().Received == 5 }) {
+	if !waitUntil(rgBound, func() bool { return m.Stats().Received == 5 }) {
 		t.Errorf("Forget freed the intake limit, but y was not accepted within %v: stats %+v", rgBound, m.Stats())
 	}
 }
@@ -591,7 +498,7 @@ func TestRegression7ExitsDuringShutdownDrainAccounted(t *testing.T) {
 	const exits = 200
 	gate := newRgGate()
 	defer gate.open()
-	var drops rgDrops
+	var drops dropRecorder
 	var handledExits atomic.Int64
 	slow := &rgEvent{Key: "slow"}
 	m := rgNew(t, eventmonitor.HandlerFunc(func(ctx context.Context, event any) error {
@@ -607,9 +514,9 @@ func TestRegression7ExitsDuringShutdownDrainAccounted(t *testing.T) {
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	chans := make([]chan rgExitStatus, exits)
+	chans := make([]chan exitStatus, exits)
 	for i := range chans {
-		chans[i] = make(chan rgExitStatus, 1) // as containerd's task.Wait
+		chans[i] = make(chan exitStatus, 1) // as containerd's task.Wait
 		key := "exit-" + string(rune('a'+i%26)) + "-" + strings.Repeat("x", i/26)
 		eventmonitor.WatchExit(ctx, m, key, chans[i], func(code uint32, _ time.Time) any {
 			return &rgEvent{Key: key, N: int(code)}
@@ -627,13 +534,13 @@ func TestRegression7ExitsDuringShutdownDrainAccounted(t *testing.T) {
 
 	var shutdownErr error
 	done := rgAsync(func() { shutdownErr = m.Shutdown(context.Background()) })
-	if !rgWaitFor(rgBound, func() bool {
+	if !waitUntil(rgBound, func() bool {
 		return errors.Is(m.Submit("probe", &rgEvent{Key: "probe"}), eventmonitor.ErrStopped)
 	}) {
 		t.Fatalf("Shutdown did not begin within %v", rgBound)
 	}
 	for i, ch := range chans { // the exits arrive while the drain waits for the slow call
-		ch <- rgExitStatus{code: uint32(i % 256), at: time.Now()}
+		ch <- exitStatus{code: uint32(i % 256), at: time.Now()}
 	}
 	gate.open()
 	rgFinish(t, done, "Shutdown")
@@ -659,7 +566,7 @@ func TestRegression8ShutdownHonoursCtx(t *testing.T) {
 			defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 			gate := newRgGate()
 			defer gate.open()
-			var drops rgDrops
+			var drops dropRecorder
 			stuck := &rgEvent{Key: "stuck"}
 			m := rgNew(t, eventmonitor.HandlerFunc(func(ctx context.Context, event any) error {
 				gate.block(event)
@@ -675,7 +582,7 @@ func TestRegression8ShutdownHonoursCtx(t *testing.T) {
 			start := time.Now()
 			var err error
 			done := rgAsync(func() { err = m.Shutdown(ctx) })
-			returned := rgWithin(done, 1500*time.Millisecond)
+			returned := closesWithin(done, 1500*time.Millisecond)
 			elapsed := time.Since(start)
 			gate.open()
 			rgFinish(t, done, "Shutdown")
@@ -701,13 +608,13 @@ func TestRegression9UnroutedCountsIgnored(t *testing.T) {
 
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	mux := eventmonitor.NewMux()
-	eventmonitor.On(mux, func(ctx context.Context, e *rgExitStatus) error { return nil })
+	eventmonitor.On(mux, func(ctx context.Context, e *exitStatus) error { return nil })
 	m := rgNew(t, mux)
 	defer m.Stop()
 	if err := m.Submit("k", &rgEvent{Key: "k"}); err != nil { // no route for *rgEvent
 		t.Fatal(err)
 	}
-	if !rgWaitFor(rgBound, func() bool { s := m.Stats(); return s.Handled+s.Ignored+s.Failed > 0 }) {
+	if !waitUntil(rgBound, func() bool { s := m.Stats(); return s.Handled+s.Ignored+s.Failed > 0 }) {
 		t.Fatalf("event not settled within %v: %+v", rgBound, m.Stats())
 	}
 	if s := m.Stats(); s.Ignored != 1 || s.Handled != 0 {
@@ -791,12 +698,12 @@ func TestRegression11BackoffOverflow(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			if !rgWaitFor(rgBound, func() bool { mu.Lock(); defer mu.Unlock(); return len(calls) == keys }) {
+			if !waitUntil(rgBound, func() bool { mu.Lock(); defer mu.Unlock(); return len(calls) == keys }) {
 				t.Fatalf("not every key was called within %v", rgBound)
 			}
 			// A bounded window in which no key may make more than 2 calls:
 			// the next retry is decades away.
-			rgWaitFor(200*time.Millisecond, func() bool { _, n := worst(); return n > 2 })
+			waitUntil(200*time.Millisecond, func() bool { _, n := worst(); return n > 2 })
 			if key, n := worst(); n > 2 {
 				t.Errorf("key %q, backing off for decades, was called %d times within about 200ms", key, n)
 			}
@@ -865,7 +772,7 @@ func TestRegression12IdleMonitorHoldsNoTimer(t *testing.T) {
 	m := rgNew(t, eventmonitor.HandlerFunc(func(ctx context.Context, event any) error {
 		// Return only once the call's deadline holds a timer on the clock,
 		// so that the test sees that timer outlive the call.
-		rgWaitFor(rgBound, clk.HasWaiters)
+		waitUntil(rgBound, clk.HasWaiters)
 		return nil
 	}), eventmonitor.WithClock(clk))
 	defer m.Stop()
@@ -878,19 +785,20 @@ func TestRegression12IdleMonitorHoldsNoTimer(t *testing.T) {
 	if err := m.Submit("k", &rgEvent{Key: "k"}); err != nil {
 		t.Fatal(err)
 	}
-	if !rgWaitFor(rgBound, func() bool { return m.Stats().Handled == 1 }) {
+	if !waitUntil(rgBound, func() bool { return m.Stats().Handled == 1 }) {
 		t.Fatalf("event not handled: %+v", m.Stats())
 	}
-	if !rgWaitFor(rgBound, func() bool { return !clk.HasWaiters() }) {
+	if !waitUntil(rgBound, func() bool { return !clk.HasWaiters() }) {
 		t.Errorf("%v after the only call returned, the idle monitor still holds a timer on its clock", rgBound)
 	}
 }
 
-// ---- 13 (the part the current API can express) ---------------------------
+// ---- 13 ------------------------------------------------------------------
 
 // Defect: New starts its workers and scheduler at once, so an idle monitor
 // costs goroutines before anything is submitted. Expected: New with nothing
-// submitted starts no goroutine. (WithDeferredStart: regress_new_test.go.)
+// submitted starts no goroutine. (WithDeferredStart:
+// TestRegression13DeferredStart.)
 func TestRegression13IdleNewStartsNoGoroutine(t *testing.T) {
 
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
@@ -900,6 +808,57 @@ func TestRegression13IdleNewStartsNoGoroutine(t *testing.T) {
 	defer m.Stop()
 	if err := goleak.Find(before); err != nil {
 		t.Errorf("an idle monitor, right after New, runs goroutines: %v", err)
+	}
+}
+
+// New behaviour: with WithDeferredStart, New handles nothing until Start or
+// Run: a Submit and a Backoff made before are not handled even when the
+// clock passes the backoff's delay; Start (bare, no Subscribe) or Run then
+// handles both, the due backoff replaying at once.
+func TestRegression13DeferredStart(t *testing.T) {
+	for _, via := range []string{"Start", "Run"} {
+		t.Run(via, func(t *testing.T) {
+			defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
+			clk := testclock.NewFakeClock(time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC))
+			var mu sync.Mutex
+			var handled []any
+			count := func() int { mu.Lock(); defer mu.Unlock(); return len(handled) }
+			m := rgNew(t, eventmonitor.HandlerFunc(func(ctx context.Context, event any) error {
+				mu.Lock()
+				handled = append(handled, event)
+				mu.Unlock()
+				return nil
+			}), eventmonitor.WithClock(clk), eventmonitor.WithDeferredStart(), eventmonitor.WithConverter(rgConverter))
+			defer m.Stop()
+
+			submitted, backedOff := &rgEvent{Key: "a"}, &rgEvent{Key: "b"}
+			if err := m.Submit("a", submitted); err != nil {
+				t.Fatal(err)
+			}
+			m.Backoff("b", backedOff)
+			clk.Step(2 * time.Second) // past the backoff's initial 1 s
+			// A bounded window in which nothing may be handled.
+			if waitUntil(100*time.Millisecond, func() bool { return count() > 0 }) {
+				t.Errorf("a monitor made WithDeferredStart handled %d events before Start or Run", count())
+			}
+
+			switch via {
+			case "Start":
+				m.Start()
+			case "Run":
+				ctx, cancel := context.WithCancel(context.Background())
+				defer cancel()
+				sub := eventmonitor.SubscriberFunc(func(ctx context.Context, _ ...string) (<-chan *eventmonitor.Envelope, <-chan error) {
+					return make(chan *eventmonitor.Envelope), nil // an open, quiet stream
+				})
+				ran := rgAsync(func() { _ = m.Run(ctx, sub) })
+				defer func() { cancel(); rgFinish(t, ran, "Run") }()
+			}
+			if !waitUntil(rgBound, func() bool { return count() == 2 }) {
+				t.Errorf("after %s, %d of the submitted and the due backed-off event were handled within %v, want 2 (stats %+v)",
+					via, count(), rgBound, m.Stats())
+			}
+		})
 	}
 }
 
@@ -935,11 +894,11 @@ func TestRegression14OverrunGrace(t *testing.T) {
 	}
 	clk.Step(time.Second + 50*time.Millisecond) // within the grace
 	// Bounded window: neither an overrun nor a replacement worker may show.
-	if rgWaitFor(200*time.Millisecond, func() bool { s := m.Stats(); return s.Overrunning > 0 || s.Handled > 0 }) {
+	if waitUntil(200*time.Millisecond, func() bool { s := m.Stats(); return s.Overrunning > 0 || s.Handled > 0 }) {
 		t.Errorf("50ms past its deadline (grace 100ms) the call counts as overrunning or its worker was replaced: %+v", m.Stats())
 	}
 	gates["a"].open()
-	if !rgWaitFor(rgBound, func() bool { return m.Stats().Handled == 2 }) {
+	if !waitUntil(rgBound, func() bool { return m.Stats().Handled == 2 }) {
 		t.Fatalf("a and c not handled: %+v", m.Stats())
 	}
 
@@ -948,20 +907,20 @@ func TestRegression14OverrunGrace(t *testing.T) {
 	}
 	gates["b"].waitEntered(t)
 	clk.Step(time.Second + 100*time.Millisecond) // the end of the grace
-	if !rgWaitFor(rgBound, func() bool { return m.Stats().Overrunning == 1 }) {
+	if !waitUntil(rgBound, func() bool { return m.Stats().Overrunning == 1 }) {
 		t.Errorf("100ms past its deadline the call is not counted as overrunning: %+v", m.Stats())
 	}
 	gates["b"].open()
 }
 
-// ---- 15 (the part the current API can express) ---------------------------
+// ---- 15 ------------------------------------------------------------------
 
 type rgValueEvent struct{ ID string }
 
 // Defect: New accepts a Mux that routes only a value type T while the
 // converter keys *T (every event would be silently ignored), and any number
 // of workers. Expected: both are an error wrapping ErrInvalidOption, the
-// first naming the type. (MaxWorkers itself: regress_new_test.go.)
+// first naming the type. (MaxWorkers itself: TestRegression15MaxWorkers.)
 func TestRegression15ConfigMismatchRejected(t *testing.T) {
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	mux := eventmonitor.NewMux()
@@ -990,12 +949,36 @@ func TestRegression15ConfigMismatchRejected(t *testing.T) {
 	}
 
 	m, err = eventmonitor.New(eventmonitor.HandlerFunc(func(ctx context.Context, event any) error { return nil }),
-		eventmonitor.WithWorkers(4097)) // MaxWorkers (4096) + 1; 1_000_000 in regress_new_test.go
+		eventmonitor.WithWorkers(4097)) // MaxWorkers (4096) + 1; 1_000_000 in TestRegression15MaxWorkers
 	if m != nil {
 		m.Stop()
 	}
 	if !errors.Is(err, eventmonitor.ErrInvalidOption) {
 		t.Errorf("New(WithWorkers(4097)) = %v, want an error wrapping ErrInvalidOption (MaxWorkers is 4096)", err)
+	}
+}
+
+// New behaviour: WithWorkers is bounded by MaxWorkers (4096).
+func TestRegression15MaxWorkers(t *testing.T) {
+	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
+	if eventmonitor.MaxWorkers != 4096 {
+		t.Errorf("MaxWorkers = %d, want 4096", eventmonitor.MaxWorkers)
+	}
+	h := eventmonitor.HandlerFunc(func(ctx context.Context, event any) error { return nil })
+	m, err := eventmonitor.New(h, eventmonitor.WithWorkers(eventmonitor.MaxWorkers))
+	if err != nil {
+		t.Errorf("New(WithWorkers(MaxWorkers)) = %v, want it accepted", err)
+	} else {
+		m.Stop()
+	}
+	for _, n := range []int{eventmonitor.MaxWorkers + 1, 1_000_000} {
+		m, err := eventmonitor.New(h, eventmonitor.WithWorkers(n))
+		if m != nil {
+			m.Stop()
+		}
+		if !errors.Is(err, eventmonitor.ErrInvalidOption) {
+			t.Errorf("New(WithWorkers(%d)) = %v, want an error wrapping ErrInvalidOption", n, err)
+		}
 	}
 }
 

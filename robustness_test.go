@@ -11,15 +11,9 @@ import (
 	"google.golang.org/protobuf/types/known/wrapperspb"
 )
 
-const overranLine = "event handler overran its timeout; its key stays held until it returns"
-
 // A handler that ignores its ctx and never returns must not hang Shutdown:
 // once the drain has nothing else to do, the stuck call is abandoned as
 // Stop abandons it, at its deadline.
-// grace is how long past its deadline a call of these tests' 1 s timeout
-// may run before it counts as overrunning: min(1 s, timeout/10).
-const grace = 100 * time.Millisecond
-
 func TestShutdownDoesNotHangBehindAStuckHandler(t *testing.T) {
 	r := newRecorder()
 	h := newHarness(t, r, WithHandleTimeout(time.Second))
@@ -51,79 +45,6 @@ func TestShutdownDoesNotHangBehindAStuckHandler(t *testing.T) {
 	s := h.m.Stats()
 	assert.Equal(t, s.Received, s.Handled+s.Dropped)
 	release() // the abandoned goroutine returns and exits; goleak checks it
-}
-
-// With one worker, a call that overruns its deadline keeps its key but not
-// the worker: a new worker handles the other keys.
-func TestStuckHandlerDoesNotTakeItsWorker(t *testing.T) {
-	r := newRecorder()
-	h := newHarness(t, r, WithHandleTimeout(time.Second)) // one worker
-	started, release := r.gate(ev{"stuck", 1})
-	defer release()
-	h.submit(t, ev{"stuck", 1})
-	<-started
-	h.submit(t, ev{"stuck", 2}, ev{"a", 1}, ev{"b", 1})
-	assert.Empty(t, r.handledList(), "within its deadline the call keeps the only worker")
-
-	h.clock.Step(time.Second + grace)
-	waitFor(t, func() bool { return len(r.handledList()) == 2 }, "other keys handled by the replacement worker")
-	assert.Equal(t, anys(ev{"a", 1}, ev{"b", 1}), r.handledList())
-	s := h.m.Stats()
-	assert.Equal(t, 1, s.Overrunning)
-	assert.Equal(t, 1, s.InFlight)
-	assert.Equal(t, 1, s.Queued, "stuck/2 waits: the key stays held")
-	waitFor(t, func() bool { return h.logged(overranLine, "stuck") }, "the overrun is logged (by the scheduler, outside the lock)")
-
-	release()
-	waitFor(t, func() bool { return len(r.handledList()) == 4 }, "the stuck key goes on once its call returns")
-	assert.Equal(t, anys(ev{"a", 1}, ev{"b", 1}, ev{"stuck", 1}, ev{"stuck", 2}), r.handledList())
-	assert.Equal(t, 1, r.maxConc["stuck"])
-	assert.Zero(t, h.m.Stats().Overrunning)
-
-	waitFor(t, func() bool { return h.workers() == 0 }, "the returned call's goroutine leaves, and the idle worker too")
-}
-
-// workers counts the goroutines holding a worker slot.
-func (h *harness) workers() int {
-	h.m.mu.Lock()
-	defer h.m.mu.Unlock()
-	return h.m.slotsHeld()
-}
-
-// Past WithMaxOverruns an overrunning call keeps its worker, and says so;
-// once a replaced call returns, the held one's slot goes to a new worker.
-func TestMaxOverrunsBoundsReplacedWorkers(t *testing.T) {
-	r := newRecorder()
-	h := newHarness(t, r, WithHandleTimeout(time.Second), WithMaxOverruns(1))
-	startedA, releaseA := r.gate(ev{"a", 1})
-	defer releaseA()
-	startedB, releaseB := r.gate(ev{"b", 1})
-	defer releaseB()
-	h.submit(t, ev{"a", 1})
-	<-startedA
-	h.submit(t, ev{"b", 1}, ev{"c", 1})
-	h.clock.Step(time.Second + grace) // a overruns: replaced, the new worker takes b
-	<-startedB
-	h.clock.Step(time.Second + grace) // b overruns: the bound is reached, c waits
-	const limitLine = "too many handler calls overrunning their timeout (WithMaxOverruns): this one keeps its worker"
-	waitFor(t, func() bool { return h.logged(limitLine, "b") }, "b's overrun logged, at the bound")
-	assert.True(t, h.logged(overranLine, "b"))
-	assert.Len(t, h.entries(limitLine), 1)
-	s := h.m.Stats()
-	assert.Equal(t, 2, s.Overrunning)
-	assert.Equal(t, 1, s.Queued, "c waits for a worker")
-	assert.Empty(t, r.handledList())
-
-	releaseA() // b's slot goes to a new worker, which handles c
-	waitFor(t, func() bool { return len(r.handledList()) == 2 }, "a and c handled")
-	assert.Equal(t, anys(ev{"a", 1}, ev{"c", 1}), r.handledList())
-	releaseB()
-	waitFor(t, func() bool { return len(r.handledList()) == 3 }, "b handled")
-	h.settled(t)
-	h.m.mu.Lock()
-	defer h.m.mu.Unlock()
-	assert.Zero(t, len(h.m.calls), "no call left, replaced or not")
-	assert.Zero(t, h.m.slotsHeld(), "every worker left once idle")
 }
 
 // Two Runs at once would both subscribe and handle every event twice: the

@@ -126,3 +126,44 @@ func TestShutdownAndStopAreSafeTogether(t *testing.T) {
 		assert.True(t, errors.Is(d.Reason, ErrStopped), "reason %v", d.Reason)
 	}
 }
+
+// A second Shutdown after one that drained everything returns nil: there is
+// nothing it could report. It once returned ErrStopped, claiming a Stop had
+// cut its drain short.
+func TestShutdownAfterADrainedShutdownReturnsNil(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r)
+	h.submit(t, ev{"a", 1})
+	require.NoError(t, h.m.Shutdown(context.Background()))
+	require.Equal(t, anys(ev{"a", 1}), r.handledList())
+	require.Empty(t, h.drops.all())
+	require.NoError(t, h.m.Shutdown(context.Background()),
+		"nothing was cut short: the first Shutdown drained everything")
+}
+
+// Guarantee (keyq next x drain): an event Backoff gave a key while its
+// replay ran, so that the key waits again after the replay, is still
+// drained by a Shutdown begun meanwhile: handled, not dropped, nil error.
+func TestShutdownDrainsABackoffGivenDuringAReplay(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r)
+	r.fail(ev{"a", 1}, 1)
+	h.submit(t, ev{"a", 1})
+	h.settled(t)
+	started, release := r.gate(ev{"a", 1})
+	h.clock.Step(time.Second) // the replay: a/1 runs and blocks
+	<-started
+	h.m.Backoff("a", ev{"a", 2}) // recorded as the key's next wait
+	done := make(chan error, 1)
+	go func() { done <- h.m.Shutdown(context.Background()) }()
+	waitFor(t, h.stopping, "Shutdown began")
+	release()
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("Shutdown hung on a key waiting again after its replay")
+	}
+	require.Equal(t, anys(ev{"a", 1}, ev{"a", 2}), r.handledList())
+	require.Empty(t, h.drops.all())
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -376,4 +377,71 @@ func (c *signallingClock) waitTimer(t *testing.T, d time.Duration) {
 			t.Fatalf("no timer of %v was made", d)
 		}
 	}
+}
+
+// lockProbeAny is a payload whose GetTypeUrl notes whether the monitor's
+// mutex is held when it is called.
+type lockProbeAny struct{ m *Monitor }
+
+var readUnderLock atomic.Int32
+
+func (a lockProbeAny) GetTypeUrl() string {
+	if a.m.mu.TryLock() {
+		a.m.mu.Unlock()
+	} else {
+		readUnderLock.Add(1)
+	}
+	return "eventmonitor.test/unknown"
+}
+func (a lockProbeAny) GetValue() []byte { return nil }
+
+// No user code under mu. take once called env.Event.GetTypeUrl() (the
+// payload is the subscriber's typeurl.Any: user code) with mu held, to log
+// an ignored type once: a payload that looks at the monitor (or just
+// blocks) held every Submit, worker and Stop.
+func TestIgnoredPayloadIsNotReadUnderTheLock(t *testing.T) {
+	readUnderLock.Store(0)
+	m, err := New(HandlerFunc(func(context.Context, any) error { return nil }),
+		WithConverter(ConverterFunc(func(typeurl.Any) (string, any, error) {
+			return "", nil, ErrUnsupportedEvent
+		})))
+	require.NoError(t, err)
+	ch := make(chan *Envelope)
+	m.Subscribe(SubscriberFunc(func(ctx context.Context, _ ...string) (<-chan *Envelope, <-chan error) {
+		return ch, nil
+	}))
+	m.Start()
+	t.Cleanup(m.Stop)
+	ch <- &Envelope{Topic: "/x", Event: lockProbeAny{m: m}}
+	require.Eventually(t, func() bool { return m.Stats().Ignored == 1 }, 5*time.Second, time.Millisecond)
+	require.Zero(t, readUnderLock.Load(), "payload's GetTypeUrl was called with the monitor's mutex held")
+}
+
+// Run waits out a resubscribe delay on clock.After, which holds its waiter
+// on a fake clock until the clock reaches it: Run returning because its ctx
+// ended first must not leave the waiter behind, or the idle monitor, and
+// the stopped one, hold a timer on their clock.
+func TestRunLeavesNoResubscribeTimerOnIdleMonitor(t *testing.T) {
+	h := newHarness(t, newRecorder(), WithConverter(testConverter))
+	broken := SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) {
+		ch := make(chan *Envelope)
+		close(ch) // the stream breaks at once
+		return ch, nil
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	ran := make(chan error, 1)
+	go func() { ran <- h.m.Run(ctx, broken) }()
+	// Nothing else is timed: the one waiter is Run's resubscribe delay.
+	waitFor(t, h.clock.HasWaiters, "Run never waited out its resubscribe delay")
+	cancel()
+	select {
+	case err := <-ran:
+		require.NoError(t, err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run did not return once its ctx ended")
+	}
+	h.settled(t)
+	require.False(t, h.clock.HasWaiters(), "idle monitor, Run returned: a timer is left on the clock")
+	h.m.Stop()
+	require.False(t, h.clock.HasWaiters(), "stopped monitor: a timer is left on the clock")
 }

@@ -1,0 +1,240 @@
+package eventmonitor
+
+// Stop: what it hands over, what it abandons, and Stop racing everything else.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+)
+
+func TestStopHandsOverWhatIsLeft(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r)
+	started, release := r.gate(ev{"a", 1})
+	h.submit(t, ev{"a", 1})
+	<-started
+	h.submit(t, ev{"a", 2}, ev{"b", 1})
+	h.m.Backoff("c", ev{"c", 1})
+
+	stopped := make(chan struct{})
+	go func() { h.m.Stop(); close(stopped) }()
+	waitFor(t, h.stopping, "Stop begins")
+	require.ErrorIs(t, h.m.Submit("z", ev{"z", 1}), ErrStopped)
+	select {
+	case <-stopped:
+		t.Fatal("Stop returned while a call was in flight")
+	default:
+	}
+	release()
+	<-stopped
+	h.m.Stop() // idempotent
+
+	assert.Equal(t, anys(ev{"a", 1}), r.handledList(), "the in-flight call completes")
+	drops := h.drops.all()
+	require.Len(t, drops, 3)
+	for _, d := range drops {
+		assert.ErrorIs(t, d.Reason, ErrStopped)
+	}
+	assert.Equal(t, Drop{Key: "a", Events: anys(ev{"a", 2}), Reason: ErrStopped}, drops[0])
+	assert.Equal(t, Drop{Key: "b", Events: anys(ev{"b", 1}), Reason: ErrStopped}, drops[1])
+	assert.Equal(t, Drop{Key: "c", Events: anys(ev{"c", 1}), Reason: ErrStopped}, drops[2])
+	s := h.m.Stats()
+	assert.Equal(t, s.Received, s.Handled+s.Dropped)
+	assert.Zero(t, s.KeysInBackoff)
+}
+
+func TestStopCancelsCallsInFlight(t *testing.T) {
+	got := make(chan error, 1)
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		<-ctx.Done()
+		got <- ctx.Err()
+		return nil
+	}))
+	require.NoError(t, h.m.Submit("a", ev{"a", 1}))
+	waitFor(t, func() bool { return h.m.Stats().InFlight == 1 }, "call starts")
+	h.m.Stop()
+	require.ErrorIs(t, <-got, context.Canceled)
+}
+
+func TestStopAbandonsACallThatIgnoresItsContext(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithHandleTimeout(10*time.Second))
+	started, release := r.gate(ev{"a", 1})
+	h.submit(t, ev{"a", 1})
+	<-started
+
+	stopped := make(chan struct{})
+	go func() { h.m.Stop(); close(stopped) }()
+	waitFor(t, h.stopping, "Stop begins")
+	h.clock.Step(10*time.Second + time.Second) // the deadline, then the grace of min(1 s, timeout/10)
+	<-stopped
+
+	drops := h.drops.all()
+	require.Len(t, drops, 1)
+	assert.Equal(t, "a", drops[0].Key)
+	assert.Equal(t, anys(ev{"a", 1}), drops[0].Events)
+	assert.ErrorIs(t, drops[0].Reason, ErrStopped)
+	release() // the abandoned goroutine returns and exits; goleak checks it
+	waitFor(t, func() bool { return len(r.handledList()) == 1 }, "handler returns")
+	s := h.m.Stats()
+	assert.Equal(t, uint64(0), s.Handled, "an abandoned call is not counted as handled")
+	assert.Equal(t, Stats{Received: 1, Dropped: 1}, s)
+}
+
+// At Stop a key's queue goes out as one Drop per run of the same topic and
+// namespace, in order.
+func TestStopDropsRunsByOrigin(t *testing.T) {
+	first := make(chan struct{})
+	var once sync.Once
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		once.Do(func() { close(first) })
+		<-ctx.Done() // the first call holds the key until Stop
+		return ctx.Err()
+	}), WithConverter(testConverter))
+	stream := newFakeStream()
+	h.m.Subscribe(stream)
+	h.m.Start()
+	sub := <-stream.newSub
+	n := 0
+	send := func(topic, ns string) {
+		n++
+		sub.send(t, &Envelope{Topic: topic, Namespace: ns, Event: payload(t, &jsonEvent{ID: "k", Code: n})})
+		want := uint64(n)
+		waitFor(t, func() bool { return h.m.Stats().Received == want }, "envelope %d accepted", n)
+	}
+	submit := func() {
+		n++
+		require.NoError(t, h.m.Submit("k", &jsonEvent{ID: "k", Code: n}))
+	}
+	send("/a", "ns") // 1: in flight
+	<-first
+	send("/a", "ns") // 2
+	send("/a", "ns") // 3
+	submit()         // 4
+	send("/b", "ns") // 5
+	send("/a", "ns") // 6
+	send("", "")     // 7: an envelope with no topic or namespace
+	submit()         // 8
+	send("/a", "ns") // 9
+	h.m.Stop()
+
+	drops := h.drops.all()
+	type group struct {
+		topic, ns string
+		codes     []int
+	}
+	var got []group
+	for _, d := range drops {
+		var codes []int
+		for _, e := range d.Events {
+			codes = append(codes, e.(*jsonEvent).Code)
+		}
+		assert.Equal(t, "k", d.Key)
+		assert.ErrorIs(t, d.Reason, ErrStopped)
+		got = append(got, group{d.Topic, d.Namespace, codes})
+	}
+	assert.Equal(t, []group{
+		{"/a", "ns", []int{1}}, // failed while shutting down
+		{"/a", "ns", []int{2, 3}},
+		{"", "", []int{4}},
+		{"/b", "ns", []int{5}},
+		{"/a", "ns", []int{6}},
+		{"", "", []int{7, 8}},
+		{"/a", "ns", []int{9}},
+	}, got)
+	assertBalanced(t, h.m.Stats())
+}
+
+// Real clock, tiny timeouts: calls go late, overrun, are replaced and
+// abandoned while events, backoffs and exits keep coming and Stop or
+// Shutdown races them. Stop returns, everything is accounted for, no key
+// runs twice, no goroutine of the monitor outlives Stop, no timer is set.
+func TestStopRacesOverrunsAndRetriesOnTheRealClock(t *testing.T) {
+	for i := 0; i < 40; i++ {
+		stopRaceRun(t, uint64(i))
+	}
+	goleak.VerifyNone(t)
+}
+
+func stopRaceRun(t *testing.T, seed uint64) {
+	rng := rand.New(rand.NewPCG(seed, 11))
+	var rmu sync.Mutex
+	rnd := func(n int) int { rmu.Lock(); defer rmu.Unlock(); return rng.IntN(n) }
+	stuck := make(chan struct{})
+	var keys exclusive
+	var emitted atomic.Int64
+	m, err := New(HandlerFunc(func(ctx context.Context, e any) error {
+		defer keys.enter(keyOf(e))()
+		switch rnd(6) {
+		case 0:
+			return errors.New("fail")
+		case 1:
+			<-ctx.Done()
+			return ctx.Err()
+		case 2:
+			<-stuck // ignores its ctx: overruns, is replaced, abandoned at Stop
+		}
+		return nil
+	}), WithWorkers(1+int(seed%3)), WithHandleTimeout(time.Duration(1+seed%3)*time.Millisecond),
+		WithMaxOverruns(int(seed%2)), WithBackoff(time.Millisecond, 4*time.Millisecond),
+		WithDropHandler(func(d Drop) { emitted.Add(int64(max(1, len(d.Events)))) }), WithLogger(quietLogger()))
+	require.NoError(t, err)
+	var feeders sync.WaitGroup
+	for f := 0; f < 3; f++ {
+		feeders.Add(1)
+		go func() {
+			defer feeders.Done()
+			for j := 0; j < 60; j++ {
+				k := fmt.Sprintf("k%d", rnd(6))
+				switch rnd(4) {
+				case 0:
+					m.Backoff(k, ev{k, j})
+				case 1:
+					ch := make(chan fakeExit, 1)
+					ch <- fakeExit{}
+					WatchExit(context.Background(), m, k, ch, func(uint32, time.Time) any { return ev{k, j} })
+				default:
+					_ = m.Submit(k, ev{k, j})
+				}
+			}
+		}()
+	}
+	stopped := make(chan struct{})
+	go func() {
+		defer close(stopped)
+		if seed%2 == 0 {
+			ctx, cancel := context.WithTimeout(context.Background(), time.Duration(rnd(5))*time.Millisecond)
+			defer cancel()
+			_ = m.Shutdown(ctx)
+		} else {
+			m.Stop()
+		}
+	}()
+	select {
+	case <-stopped:
+	case <-time.After(10 * time.Second):
+		close(stuck)
+		t.Fatalf("seed %d: Stop/Shutdown hangs: %+v", seed, m.Stats())
+	}
+	feeders.Wait()
+	close(stuck)
+	require.False(t, keys.twice.Load(), "seed %d: a key on two goroutines", seed)
+	s := m.Stats()
+	assertBalanced(t, s)
+	require.Zero(t, s.Queued+s.EventsInBackoff+s.InFlight, "seed %d: %+v", seed, s)
+	require.Equal(t, s.Dropped, uint64(emitted.Load()), "seed %d: drops counted vs handed over", seed)
+	m.mu.Lock()
+	require.True(t, m.sched.at.IsZero(), "seed %d: timer set after Stop", seed)
+	require.Empty(t, m.calls)
+	m.mu.Unlock()
+}
