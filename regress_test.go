@@ -122,7 +122,6 @@ func rgNew(t *testing.T, h eventmonitor.Handler, opts ...eventmonitor.Option) *e
 // plus grace (min(1 s, timeout/10)), and the exit's event reaches the drop
 // handler with ErrStopped.
 func TestRegression1StopBoundedBehindInlineExit(t *testing.T) {
-
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	gate := newRgGate()
 	defer gate.open()
@@ -164,7 +163,6 @@ func TestRegression1StopBoundedBehindInlineExit(t *testing.T) {
 // (about the handle timeout after the drain stalls), and both the queued
 // event and the stuck call's event reach the drop handler with ErrStopped.
 func TestRegression2ShutdownBoundedAtOverrunLimit(t *testing.T) {
-
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	gate := newRgGate()
 	defer gate.open()
@@ -209,7 +207,6 @@ func TestRegression2ShutdownBoundedAtOverrunLimit(t *testing.T) {
 // Expected: the waiting envelope is accepted at once after Forget, without
 // releasing the busy handler.
 func TestRegression3ForgetWakesStreamIntake(t *testing.T) {
-
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	gate := newRgGate()
 	defer gate.open()
@@ -294,7 +291,6 @@ func TestRegression3ForgetWakesStreamIntake(t *testing.T) {
 // started plus the handle timeout, and ctx is Done (DeadlineExceeded) when
 // the clock reaches it.
 func TestRegression4DeadlineFromCallStart(t *testing.T) {
-
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	clk := testclock.NewFakeClock(time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC))
 	first, second := &rgEvent{Key: "a"}, &rgEvent{Key: "b"}
@@ -364,7 +360,6 @@ func TestRegression4DeadlineFromCallStart(t *testing.T) {
 // goroutine to propagate cancellation. Expected: deriving 32 contexts adds
 // (next to) no goroutine.
 func TestRegression5DerivedContextsCostNoGoroutine(t *testing.T) {
-
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	increase := make(chan int, 1)
 	m := rgNew(t, eventmonitor.HandlerFunc(func(ctx context.Context, event any) error {
@@ -401,7 +396,6 @@ func TestRegression5DerivedContextsCostNoGoroutine(t *testing.T) {
 // nor stops them being handled. Expected: Forget returns every event that
 // has not started, in order, and none of them is ever handled.
 func TestRegression6ForgetWithoutTimeoutTakesEverything(t *testing.T) {
-
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	for i := range 20 {
 		// Even rounds hold the worker on another key while k's 20 events are
@@ -493,7 +487,6 @@ func rgForgetRound(t *testing.T, round int, gated bool) bool {
 // handled nor dropped. Expected: every exit delivered ends handled or in the
 // drop handler.
 func TestRegression7ExitsDuringShutdownDrainAccounted(t *testing.T) {
-
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	const exits = 200
 	gate := newRgGate()
@@ -560,7 +553,6 @@ func TestRegression7ExitsDuringShutdownDrainAccounted(t *testing.T) {
 // soon after ctx ends, with an error wrapping context.DeadlineExceeded, and
 // the stuck call's event goes to the drop handler with ErrStopped.
 func TestRegression8ShutdownHonoursCtx(t *testing.T) {
-
 	for _, timeout := range []time.Duration{0, 3 * time.Second} {
 		t.Run("timeout="+timeout.String(), func(t *testing.T) {
 			defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
@@ -605,7 +597,6 @@ func TestRegression8ShutdownHonoursCtx(t *testing.T) {
 // Expected: it counts as Ignored, as an envelope of a type the converter
 // does not key does.
 func TestRegression9UnroutedCountsIgnored(t *testing.T) {
-
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	mux := eventmonitor.NewMux()
 	eventmonitor.On(mux, func(ctx context.Context, e *exitStatus) error { return nil })
@@ -650,7 +641,6 @@ func TestRegression10TypedNilHandlersRejected(t *testing.T) {
 // thousands of times a second. Expected: due times saturate; a failing key
 // waits about its delay however large.
 func TestRegression11BackoffOverflow(t *testing.T) {
-
 	t.Run("fakeclock/jitter=0", func(t *testing.T) { rgOverflowRound(t, 0) })
 	t.Run("fakeclock/jitter=1", func(t *testing.T) {
 		// A jittered delay overflows only for some draws: ten rounds.
@@ -766,7 +756,6 @@ func rgOverflowRound(t *testing.T, jitter float64) bool {
 // timer on its fake clock. Expected: once the monitor is idle (without
 // WaitIdle) the clock has no waiters.
 func TestRegression12IdleMonitorHoldsNoTimer(t *testing.T) {
-
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	clk := testclock.NewFakeClock(time.Now())
 	m := rgNew(t, eventmonitor.HandlerFunc(func(ctx context.Context, event any) error {
@@ -800,7 +789,6 @@ func TestRegression12IdleMonitorHoldsNoTimer(t *testing.T) {
 // submitted starts no goroutine. (WithDeferredStart:
 // TestRegression13DeferredStart.)
 func TestRegression13IdleNewStartsNoGoroutine(t *testing.T) {
-
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	before := goleak.IgnoreCurrent()
 	m := rgNew(t, eventmonitor.HandlerFunc(func(ctx context.Context, event any) error { return nil }),
@@ -989,7 +977,6 @@ func TestRegression15MaxWorkers(t *testing.T) {
 // channels still all close on Stop, and 100 000 bare Starts whose channels
 // the caller dropped retain (next to) no memory.
 func TestRegression16BareStartsDoNotAccumulate(t *testing.T) {
-
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	m := rgNew(t, eventmonitor.HandlerFunc(func(ctx context.Context, event any) error { return nil }))
 	defer m.Stop()
