@@ -229,8 +229,9 @@ func TestAbandonedCallReportsNoMetrics(t *testing.T) {
 	close(gate)
 	// goleak waits for the abandoned call's goroutine to leave.
 	require.NoError(t, goleak.Find(before))
-	require.Equal(t, int32(1), mt.done.Load(), "HandlerDone for the abandoned call, after Stop")
+	require.Equal(t, int32(1), mt.done.Load(), "HandlerDone for the first, failed call only, none for the abandoned one")
 	require.Zero(t, mt.recovered.Load(), "an event dropped at Stop reported as Recovered")
+	require.Equal(t, int32(1), mt.dropped.Load(), "the abandoned call's drop reported once")
 }
 
 type countingMetrics struct {
