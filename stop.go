@@ -57,6 +57,7 @@ func (m *Monitor) beginStop() {
 // events are dropped, saying why, and their goroutines leave unseen if
 // they ever return. mu is held.
 func (m *Monitor) abandon(why string, stages ...stage) {
+	before := len(m.calls)
 	m.calls = slices.DeleteFunc(m.calls, func(c *call) bool {
 		if !slices.Contains(stages, c.stage) {
 			return false
@@ -66,7 +67,9 @@ func (m *Monitor) abandon(why string, stages ...stage) {
 			m.dropCall(c, fmt.Errorf("%w: handler %s, abandoned", ErrStopped, why)))
 		return true
 	})
-	m.changed()
+	if len(m.calls) < before {
+		m.changed() // not otherwise: two Stops waiting would wake each other for ever
+	}
 }
 
 // finishStop, once no call is left, drops every event left and waits for

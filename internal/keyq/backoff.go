@@ -19,7 +19,7 @@ type backoff struct {
 	replayLeft int       // replay events at the queue's head not yet taken
 	begun      bool      // the replay's first event was taken
 	inCall     bool      // the call in progress is the replay's
-	progressed bool      // the replay handled one of its events
+	progressed bool      // a call of the replay ended: a failure now is not its first event's
 	next       time.Time // set by PushBackoff during the replay: due once it ends
 }
 

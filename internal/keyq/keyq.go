@@ -12,14 +12,15 @@
 //	Waiting  in backoff, in the heap until its due time
 //
 // Only Take and TakeAlone move a key to Running and only a call's end
-// (Done, GaveUp, Failed) moves it out again, so a key is never on two goroutines.
+// (Done, Failed) moves it out again, so a key is never on two goroutines.
 //
 // Backoff: a failed event goes back to the head of its key's queue and the
 // key waits. When due, the events then queued are the replay; once all are
 // done with, the key leaves backoff, unless PushBackoff added an event
-// meanwhile: then it waits again. A replay failing before it handled any
-// event doubles the delay (up to the cap); any other failure waits the
-// initial delay, so a key with independent failures keeps moving.
+// meanwhile: then it waits again. A replay failing on its first event (the
+// one that failed before) doubles the delay, up to the cap; any other
+// failure waits the initial delay from the failure, so a key with
+// independent failures keeps moving.
 package keyq
 
 import (
@@ -168,20 +169,13 @@ func (s *Set[T]) TakeAlone(k *Key[T]) (it T, ok bool) {
 	return it, true
 }
 
-// Done ends k's call, its event handled. The key leaves backoff once its
-// replay is done, then waits (a PushBackoff during the call or replay), is
-// Ready, or Idle.
-func (s *Set[T]) Done(k *Key[T]) { s.end(k, true) }
-
-// GaveUp ends k's call, its event given up on, as Done does; a replay it
-// was part of has not progressed for it.
-func (s *Set[T]) GaveUp(k *Key[T]) { s.end(k, false) }
-
-func (s *Set[T]) end(k *Key[T], progressed bool) {
+// Done ends k's call, its event handled or given up on. The key leaves
+// backoff once its replay is done, then waits (a PushBackoff during the
+// call or replay), is Ready, or Idle.
+func (s *Set[T]) Done(k *Key[T]) {
 	s.uncount(k)
 	if b := k.backoff; b != nil && b.inCall {
-		b.inCall = false
-		b.progressed = b.progressed || progressed
+		b.inCall, b.progressed = false, true
 		if b.replayLeft == 0 {
 			k.backoff = nil
 			if !b.next.IsZero() {
@@ -200,20 +194,17 @@ func (s *Set[T]) end(k *Key[T], progressed bool) {
 	s.count(k)
 }
 
-// Failed ends k's call with its event it back at the head; the key waits
-// (keeping a due time PushBackoff gave it during a call outside backoff; a
-// failed replay's own wait replaces one given during the replay).
+// Failed ends k's call with its event it back at the head; the key waits,
+// from now, the doubled delay if the call was a replay's first, else the
+// initial one (which replaces a wait PushBackoff gave during the call or
+// replay: it would be due no later).
 func (s *Set[T]) Failed(k *Key[T], it T, now time.Time) {
 	s.uncount(k)
 	k.items = slices.Insert(k.items, 0, it) // failures are rare: a copy is fine
-	b := k.backoff
-	switch {
-	case b != nil && !b.inCall && b.replayLeft == 0:
-		// due already set
-	case b != nil && b.inCall && !b.progressed:
+	if b := k.backoff; b != nil && b.inCall && !b.progressed {
 		b.delay = doubled(b.delay, s.delays.Max)
 		b.due, b.inCall, b.replayLeft, b.next = s.dueAfter(now, b.delay), false, 0, time.Time{}
-	default:
+	} else {
 		k.backoff = &backoff{delay: s.delays.Initial, due: s.dueAfter(now, s.delays.Initial)}
 	}
 	s.moveTo(k, Waiting)

@@ -104,7 +104,7 @@ func TestPushTakeDone(t *testing.T) {
 	require.Nil(t, k, "Running keys are not ready")
 	s.Done(a)
 	is(t, s, a, Ready, none, 2)
-	s.GaveUp(b)
+	s.Done(b)
 	is(t, s, b, Idle, none)
 	take(t, s, "a", 2, false)
 	s.Done(a)
@@ -186,7 +186,7 @@ func TestDoubling(t *testing.T) {
 		s.Done(k)
 		take(t, s, "a", 2, false)
 		s.Failed(k, 2, t0.Add(now))
-		require.Equal(t, c.d.Initial, k.Delay(), "a replay that handled an event waits Initial")
+		require.Equal(t, c.d.Initial, k.Delay(), "a replay past its first event (handled or given up on) waits Initial")
 		is(t, s, k, Waiting, now+c.d.Initial, 2)
 	}
 }
@@ -209,7 +209,7 @@ func TestPushBackoff(t *testing.T) {
 		is(t, s, k, Running, sec, 2)
 		if fail {
 			s.Failed(k, 1, t0.Add(time.Hour))
-			is(t, s, k, Waiting, sec, 1, 2)
+			is(t, s, k, Waiting, time.Hour+sec, 1, 2) // a failure waits from itself, not from the push
 		} else {
 			s.Done(k)
 			is(t, s, k, Waiting, sec, 2)
@@ -373,15 +373,10 @@ func (m *model) step(op, arg byte) {
 		require.Equal(t, [3]any{name, mk.events[0], replayStart}, [3]any{k.Name(), it, start}, "Take")
 		mk.call, mk.events = it, mk.events[1:]
 		m.set(name, mk, Running)
-	case 5: // Done or GaveUp
-		progressed := arg&1 == 0
-		if progressed {
-			m.s.Done(m.s.Get(name))
-		} else {
-			m.s.GaveUp(m.s.Get(name))
-		}
+	case 5: // Done
+		m.s.Done(m.s.Get(name))
 		if m.end(mk.call); mk.backoff && mk.inCall {
-			mk.inCall, mk.progressed = false, mk.progressed || progressed
+			mk.inCall, mk.progressed = false, true
 			if mk.backoff = mk.replayLeft > 0; !mk.backoff && !mk.next.IsZero() { // a PushBackoff during the replay
 				*mk = mkey{events: mk.events, phase: mk.phase, call: mk.call, backoff: true, delay: sec, due: mk.next}
 			}
@@ -397,12 +392,10 @@ func (m *model) step(op, arg byte) {
 	case 6: // Failed
 		m.s.Failed(m.s.Get(name), mk.call, m.now)
 		mk.events = append([]int{mk.call}, mk.events...)
-		switch {
-		case mk.backoff && !mk.inCall: // due set by PushBackoff during the call
-		case mk.backoff && !mk.progressed: // the replay failed on its first event
+		if mk.backoff && mk.inCall && !mk.progressed { // the replay failed on its first event
 			mk.delay, m.doublings = min(2*mk.delay, testDelays.Max), m.doublings+1
 			mk.due, mk.next = m.now.Add(mk.delay), time.Time{}
-		default:
+		} else {
 			*mk = mkey{events: mk.events, phase: mk.phase, backoff: true, delay: sec, due: m.now.Add(sec)}
 		}
 		mk.inCall, mk.replayLeft = false, 0
