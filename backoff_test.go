@@ -215,3 +215,42 @@ func TestBackoffDuringAReplayIsDueFromTheBackoffCall(t *testing.T) {
 	require.False(t, ok)
 	require.False(t, h.clock.HasWaiters())
 }
+
+// The delay doubles only when a replay fails on the event that failed
+// before: with that event given up on (WithMaxAttempts), the next event's
+// first failure waits the initial delay.
+func TestDropInAReplayDoesNotDoubleTheNextFailure(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithMaxAttempts(2))
+	r.fail(ev{"a", 1}, 2)
+	r.fail(ev{"a", 2}, 1)
+	h.submit(t, ev{"a", 1})
+	h.settled(t)
+	h.submit(t, ev{"a", 2}) // behind a/1 in backoff
+	h.step(t, DefaultInitialBackoff)
+	require.Len(t, h.drops.all(), 1, "a/1 failed again: given up on")
+	p := h.pending("a")
+	require.Equal(t, anys(ev{"a", 2}), p.Events)
+	require.Equal(t, 1, p.Attempts)
+	require.Equal(t, h.clock.Now().Add(DefaultInitialBackoff), p.Due,
+		"a/2 failed for the first time: it waits the initial delay")
+}
+
+// A failed event waits the initial delay from its failure even when
+// Backoff gave its key an earlier due time during the call: a long call
+// had passed that time, and the event was once retried at once.
+func TestFailureAfterABackoffDuringItsCallWaits(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithHandleTimeout(0))
+	r.fail(ev{"a", 1}, 1)
+	started, release := r.gate(ev{"a", 1})
+	h.submit(t, ev{"a", 1})
+	<-started
+	h.m.Backoff("a", ev{"a", 2})  // due in 1 s
+	h.clock.Step(5 * time.Second) // a/1 runs for 5 s
+	release()                     // and fails
+	h.settled(t)
+	failedAt := epoch.Add(5 * time.Second)
+	require.Empty(t, r.handledList(), "nothing is due before %v", failedAt.Add(DefaultInitialBackoff))
+	require.Equal(t, failedAt.Add(DefaultInitialBackoff), h.pending("a").Due)
+}

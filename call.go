@@ -82,7 +82,7 @@ func (c *call) Value(key any) any {
 // takeReady starts a call for the first ready key on a worker slot, if the
 // monitor may. mu is held.
 func (m *Monitor) takeReady() *call {
-	if m.state != running && m.state != draining {
+	if !m.state.handles() {
 		return nil
 	}
 	k, it, replayStart := m.keys.Take()
@@ -117,14 +117,15 @@ func (m *Monitor) work(c *call) {
 // handle makes call c, settles and reports its outcome, and returns the
 // next call its slot (if it holds one) takes on, under the same lock.
 func (m *Monitor) handle(c *call) (next *call) {
-	if m.abandoned(c) {
-		return nil // Stop gave up on it before it began, and accounted for it
-	}
 	if c.replayStart {
 		m.logRetry(c)
 	}
+	if m.abandoned(c) { // last before the handler: nothing may come between
+		return nil // Stop gave up on it before it began, and accounted for it
+	}
 	err := m.invoke(c)
-	c.cancel(context.Canceled) // what the handler started with ctx stops
+	c.cancel(context.Canceled)                     // what the handler started with ctx stops
+	ignored := errors.Is(err, ErrUnsupportedEvent) // err is user code: not under mu
 	var end time.Time
 	if err != nil || m.cfg.metrics != nil {
 		end = m.cfg.clock.Now()
@@ -135,7 +136,7 @@ func (m *Monitor) handle(c *call) (next *call) {
 		return nil // Stop gave up on it and accounted for it
 	}
 	overran := c.stage == overran
-	out := m.settle(c, err, end)
+	out := m.settle(c, err, ignored, end)
 	if overran || out.failed != nil || m.cfg.metrics != nil {
 		c.stage = settling // WaitIdle and Stop wait for the report
 		m.changed()
@@ -190,13 +191,13 @@ type outcome struct {
 // settle records a returned call's outcome: handled, ignored (no route),
 // back at its key's head to wait, or given up on (the caller releases the
 // key once the drop is reported). mu is held.
-func (m *Monitor) settle(c *call, err error, end time.Time) outcome {
+func (m *Monitor) settle(c *call, err error, ignored bool, end time.Time) outcome {
 	switch {
 	case err == nil:
 		m.stats.Handled++
 		m.keys.Done(c.key)
 		return outcome{}
-	case errors.Is(err, ErrUnsupportedEvent):
+	case ignored:
 		m.stats.Ignored++
 		m.keys.Done(c.key)
 		return outcome{}
@@ -212,10 +213,10 @@ func (m *Monitor) settle(c *call, err error, end time.Time) outcome {
 	it := c.it
 	var reason error
 	switch {
-	case m.state != running && m.state != held:
-		reason = fmt.Errorf("%w: failed while shutting down: %w", ErrStopped, err)
+	case !m.state.accepts():
+		reason = failedDrop{ErrStopped, ": failed while shutting down", err}
 	case m.cfg.maxAttempts > 0 && it.attempts() >= m.cfg.maxAttempts:
-		reason = fmt.Errorf("%w (%d): %w", ErrMaxAttempts, it.attempts(), err)
+		reason = failedDrop{ErrMaxAttempts, fmt.Sprintf(" (%d)", it.attempts()), err}
 	default:
 		m.keys.Failed(c.key, it, end)
 		return outcome{failed: err, delay: c.key.Delay()}

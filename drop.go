@@ -34,6 +34,17 @@ func (d Drop) String() string {
 	return s + fmt.Sprintf(": %v", d.Reason)
 }
 
+// failedDrop is the reason an event that failed is dropped, formatted
+// only when read: the handler's error is user code, not to run under mu.
+type failedDrop struct {
+	why    error // ErrStopped or ErrMaxAttempts
+	detail string
+	err    error // the handler's
+}
+
+func (f failedDrop) Error() string   { return fmt.Sprintf("%v%s: %v", f.why, f.detail, f.err) }
+func (f failedDrop) Unwrap() []error { return []error{f.why, f.err} }
+
 // drop counts a drop, with mu held, and returns it for emit to call without.
 func (m *Monitor) drop(key string, events []any, reason error) Drop {
 	m.stats.Dropped += uint64(max(1, len(events)))

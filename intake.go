@@ -17,64 +17,63 @@ var errFiltered = errors.New("eventmonitor: envelope of another namespace")
 // take converts env without the lock and accepts it, waiting until ctx ends
 // while WithIntakeLimit events wait for a worker, so that a flood stays in
 // the runtime rather than in our memory. What cannot be accepted is dropped.
+// Once Stop began, env is left unread, like those still in the stream.
 func (m *Monitor) take(ctx context.Context, env *Envelope) {
 	m.mu.Lock()
-	m.stream.accepting++ // WaitIdle waits for it
-	m.mu.Unlock()
-	key, event, err := m.convert(env)
-	var url string
-	if errors.Is(err, ErrUnsupportedEvent) {
-		url = env.Event.GetTypeUrl() // the payload's code, not to be called under the lock
-	}
-
-	m.mu.Lock()
-	if report := m.admit(ctx, env, key, event, url, err); report != nil {
+	if m.state == stopped {
 		m.mu.Unlock()
-		report()
-		m.mu.Lock()
+		return
 	}
-	m.stream.accepting--
-	m.changed()
+	m.stream.accepting++ // WaitIdle and Stop wait for it
 	m.mu.Unlock()
-}
-
-// admit counts a converted envelope, or accepts its event, and returns what
-// to log and emit once mu is released, if anything. mu is held.
-func (m *Monitor) admit(ctx context.Context, env *Envelope, key string, event any, url string, err error) (report func()) {
+	defer func() {
+		m.mu.Lock()
+		m.stream.accepting--
+		m.changed()
+		m.mu.Unlock()
+	}()
+	key, event, err := m.convert(env)
 	switch {
-	case errors.Is(err, errFiltered):
+	case err == errFiltered:
+		m.mu.Lock()
 		m.stats.Received++
 		m.stats.Filtered++
-		return nil
-	case errors.Is(err, ErrUnsupportedEvent):
+		m.mu.Unlock()
+		return
+	case errors.Is(err, ErrUnsupportedEvent): // the converter's error and payload are user code: not under mu
+		url := env.Event.GetTypeUrl()
+		m.mu.Lock()
 		m.stats.Received++
 		m.stats.Ignored++
-		if !m.firstIgnored(url) {
-			return nil
-		}
-		return func() {
+		first := m.firstIgnored(url)
+		m.mu.Unlock()
+		if first {
 			m.cfg.logger.WithFields(log.Fields{"topic": env.Topic, "namespace": env.Namespace, "type": url}).
 				WithError(err).Debug("ignoring events of a type the converter has no key for; logged once per type")
 		}
+		return
 	}
+	m.mu.Lock()
 	if err == nil {
-		for (m.state == held || m.state == running) && ctx.Err() == nil && m.keys.Queued() >= m.cfg.intakeLimit {
+		for m.state.accepts() && ctx.Err() == nil && m.keys.Queued() >= m.cfg.intakeLimit {
 			m.cond.Wait()
 		}
-		if _, err = m.accept(key, item{event: event, origin: &origin{env.Topic, env.Namespace}}, false); err == nil {
-			return nil
-		}
+		_, err = m.accept(key, item{event: event, origin: &origin{env.Topic, env.Namespace}}, false)
 	}
-	d := m.refuse(key, event, err)
-	if env == nil {
-		return func() { m.emit(d) }
+	var d Drop
+	if err != nil {
+		d = m.refuse(key, event, err)
 	}
-	d.Topic, d.Namespace = env.Topic, env.Namespace
-	return func() {
+	m.mu.Unlock()
+	if err == nil {
+		return
+	}
+	if env != nil {
+		d.Topic, d.Namespace = env.Topic, env.Namespace
 		m.cfg.logger.WithFields(log.Fields{"topic": env.Topic, "namespace": env.Namespace, "key": key}).
 			WithError(err).Debug("envelope dropped")
-		m.emit(d)
 	}
+	m.emit(d)
 }
 
 // firstIgnored reports whether url is ignored for the first time, up to

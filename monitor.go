@@ -28,13 +28,20 @@ const (
 	stopped                   // Stop began: accepts and starts nothing
 )
 
+// accepts reports whether new events are taken in.
+func (s lifecycle) accepts() bool { return s == held || s == running }
+
+// handles reports whether calls start.
+func (s lifecycle) handles() bool { return s == running || s == draining }
+
 // Monitor handles typed events in order per key, with parallelism across
 // keys and per-key exponential backoff. Create it with New; release it with
 // Stop or Shutdown.
 //
-// mu guards the fields from cond to stream. Every change ends in changed,
-// which starts workers, keeps the scheduler's timer right and wakes all who
-// wait on cond (Stop, Shutdown, WaitIdle, stream intake waiting for room).
+// mu guards the fields from cond to abandonedDrops. Every change ends in
+// changed, which starts workers, keeps the scheduler's timer right and
+// wakes all who wait on cond (Stop, Shutdown, WaitIdle, stream intake
+// waiting for room).
 type Monitor struct {
 	cfg     config
 	handler Handler
@@ -49,14 +56,15 @@ type Monitor struct {
 	stats    Stats   // counters; the gauges are derived in Stats
 	sched    schedulerState
 	stream   streamState
+	// abandonedDrops: events of calls Stop gave up on, for it to hand over.
+	abandonedDrops []Drop
 
-	intake         context.Context // ends when Shutdown or Stop begins
-	endIntake      context.CancelFunc
-	watchers       sync.WaitGroup // the scheduler, Start's reader, exit watchers while they wait
-	abandonedDrops []Drop         // events of calls Stop gave up on, for it to hand over
-	stopping       chan struct{}  // closed when Stop begins
-	stopOnce       sync.Once
-	done           chan struct{} // closed when Stop is done
+	intake    context.Context // ends when Shutdown or Stop begins
+	endIntake context.CancelFunc
+	watchers  sync.WaitGroup // the scheduler, Start's reader, exit watchers while they wait
+	stopping  chan struct{}  // closed when Stop begins
+	stopOnce  sync.Once
+	done      chan struct{} // closed when Stop is done
 }
 
 // item is one accepted event in its key's queue; what only some need is
@@ -185,7 +193,7 @@ func (m *Monitor) Backoff(key string, event any) {
 // accept validates an event and queues it, in backoff if asked. mu is held.
 func (m *Monitor) accept(key string, it item, backoff bool) (*keyq.Key[item], error) {
 	switch {
-	case m.state != held && m.state != running:
+	case !m.state.accepts():
 		return nil, ErrStopped
 	case key == "":
 		return nil, fmt.Errorf("%w: empty key", ErrInvalidEvent)

@@ -403,3 +403,29 @@ func TestPoppedEventsAreNotRetained(t *testing.T) {
 	}
 	assertBalanced(t, h.m.Stats())
 }
+
+// A context the handler derives from its ctx (containerd's handlers wrap
+// shim calls in context.WithTimeout(ctx, ...)) ends with DeadlineExceeded
+// when the call's deadline ends the call: errors.Is(err,
+// context.DeadlineExceeded) around a shim call holds. It once reported
+// Canceled, copied from the cancel context inside the call.
+func TestDerivedContextEndsWithDeadlineExceeded(t *testing.T) {
+	got, derived := make(chan error, 1), make(chan struct{})
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, _ any) error {
+		child, cancel := context.WithCancel(ctx)
+		defer cancel()
+		close(derived)
+		<-child.Done()
+		got <- child.Err()
+		return nil
+	}), WithHandleTimeout(10*time.Second))
+	require.NoError(t, h.m.Submit("a", ev{"a", 1}))
+	<-derived
+	h.clock.Step(10 * time.Second)
+	select {
+	case err := <-got:
+		require.ErrorIs(t, err, context.DeadlineExceeded)
+	case <-time.After(10 * time.Second):
+		t.Fatal("the derived context never ended")
+	}
+}

@@ -116,7 +116,9 @@ func WithMaxQueuedPerKey(n int) Option { return func(c *config) { c.maxQueuedPer
 func WithIntakeLimit(n int) Option { return func(c *config) { c.intakeLimit = n } }
 
 // WithDropHandler receives every event given up on, with the reason, without
-// locks held and possibly concurrently. The default logs the drop.
+// locks held and possibly concurrently; Stop, Shutdown and WaitIdle may be
+// waiting for it, so it must not call them but in a goroutine. The default
+// logs the drop.
 func WithDropHandler(fn func(Drop)) Option { return func(c *config) { c.onDrop = fn } }
 
 // WithResubscribe sets Run's reconnect delay, doubling from initial to max.

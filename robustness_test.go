@@ -3,12 +3,14 @@ package eventmonitor
 import (
 	"context"
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/types/known/wrapperspb"
+	testclock "k8s.io/utils/clock/testing"
 )
 
 // A handler that ignores its ctx and never returns must not hang Shutdown:
@@ -189,4 +191,44 @@ func TestProgrammingErrorsPanicAtOnce(t *testing.T) {
 	assert.PanicsWithValue(t, "eventmonitor: Subscribe with a nil Subscriber", func() {
 		h.m.Subscribe(nil)
 	})
+}
+
+// selfReadingErr is an error whose message reads the monitor, as a lazily
+// formatting error type might.
+type selfReadingErr struct{ m *Monitor }
+
+func (e selfReadingErr) Error() string {
+	return fmt.Sprintf("failed; %d handled so far", e.m.Stats().Handled)
+}
+
+// The handler's error is user code: the monitor neither formats it nor
+// asks errors.Is of it under its lock. Once, giving up on an event
+// (WithMaxAttempts) formatted it under mu, and an Error method reading the
+// monitor deadlocked the worker and the monitor with it.
+func TestHandlerErrorIsFormattedOutsideTheLock(t *testing.T) {
+	var m *Monitor
+	var drops dropLog
+	m, err := New(HandlerFunc(func(context.Context, any) error { return selfReadingErr{m} }),
+		WithMaxAttempts(1), WithClock(testclock.NewFakeClock(epoch)), WithDropHandler(drops.add),
+		WithLogger(quietLogger()))
+	require.NoError(t, err)
+	require.NoError(t, m.Submit("a", ev{"a", 1}))
+	done := make(chan error, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		done <- m.WaitIdle(ctx)
+	}()
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+		m.Stop()
+	case <-time.After(5 * time.Second):
+		t.Fatal("deadlock: the handler error's Error method ran under the monitor's lock")
+	}
+	d := drops.all()
+	require.Len(t, d, 1)
+	require.ErrorIs(t, d[0].Reason, ErrMaxAttempts)
+	require.ErrorAs(t, d[0].Reason, new(selfReadingErr))
+	require.Equal(t, "eventmonitor: gave up after max attempts (1): failed; 0 handled so far", d[0].Reason.Error())
 }

@@ -12,10 +12,12 @@ import (
 // return, abandoning (and dropping the event of) a call that overruns (see
 // WithHandleTimeout): it returns within about the handle timeout whatever
 // handlers do. Every event left, queued or in backoff, then goes to the
-// drop handler with ErrStopped. It waits for returned calls' reports too (a
-// blocking drop handler, logger or Metrics holds it up). Stop is idempotent
-// and safe for concurrent use. Do not call it from a handler, which it would
-// wait for until it overruns (or forever, without a timeout): go m.Stop().
+// drop handler with ErrStopped. It waits for returned calls' reports and
+// an envelope being converted too (a blocking drop handler, logger, Metrics
+// or converter holds it up). Stop is idempotent and safe for concurrent
+// use. Do not call it from a handler, which it would wait for until it
+// overruns (or forever, without a timeout), nor from the drop handler,
+// Metrics or a log hook, which it may be waiting for: go m.Stop().
 func (m *Monitor) Stop() { m.stop(context.Background()) }
 
 // stop is Stop, abandoning every call still running once ctx ends.
@@ -72,10 +74,13 @@ func (m *Monitor) abandon(why string, stages ...stage) {
 	}
 }
 
-// finishStop, once no call is left, drops every event left and waits for
-// the scheduler and watchers to leave.
+// finishStop, once no call is left, waits for envelopes being taken, drops
+// every event left and waits for the scheduler and watchers to leave.
 func (m *Monitor) finishStop() {
 	m.mu.Lock()
+	for m.stream.accepting > 0 {
+		m.cond.Wait()
+	}
 	drops := m.abandonedDrops
 	m.abandonedDrops = nil
 	var names []string
@@ -111,7 +116,7 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	defer context.AfterFunc(ctx, m.wakeWaiters)()
 	m.mu.Lock()
 	drainer := m.state != stopped // else a Stop left it nothing to drain
-	if m.state == held || m.state == running {
+	if m.state.accepts() {
 		m.state = draining
 		m.changed()
 	}

@@ -12,9 +12,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/containerd/typeurl/v2"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
+	"google.golang.org/protobuf/types/known/anypb"
+	testclock "k8s.io/utils/clock/testing"
 )
 
 func TestStopHandsOverWhatIsLeft(t *testing.T) {
@@ -237,4 +240,77 @@ func stopRaceRun(t *testing.T, seed uint64) {
 	require.True(t, m.sched.at.IsZero(), "seed %d: timer set after Stop", seed)
 	require.Empty(t, m.calls)
 	m.mu.Unlock()
+}
+
+// countingLocker counts the times mu is taken through it: with cond.L set
+// to it, one per wake-up of a waiter.
+type countingLocker struct {
+	sync.Locker
+	n atomic.Int64
+}
+
+func (l *countingLocker) Lock() { l.n.Add(1); l.Locker.Lock() }
+
+// Two Stops waiting for one running call sleep on cond: once, every pass of
+// stop's loop signalled a change, waking the other Stop to do the same, and
+// the two burned a CPU each until the call returned (for ever with no
+// timeout and a stuck handler).
+func TestConcurrentStopsDoNotSpin(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithHandleTimeout(0))
+	counter := &countingLocker{Locker: &h.m.mu}
+	h.m.cond.L = counter // before any goroutine waits on cond
+	started, release := r.gate(ev{"a", 1})
+	h.submit(t, ev{"a", 1})
+	<-started
+	var stops sync.WaitGroup
+	for range 2 {
+		stops.Add(1)
+		go func() { defer stops.Done(); h.m.Stop() }()
+	}
+	waitFor(t, h.stopping, "Stop began")
+	// Nothing changes while a/1 runs: a runaway shows within 300 ms.
+	assert.Never(t, func() bool { return counter.n.Load() > 100 }, 300*time.Millisecond, 10*time.Millisecond,
+		"two Stops waiting on one running call woke each other in a loop")
+	release()
+	stops.Wait()
+}
+
+// Stop waits for an envelope Run is converting when Stop begins: its drop
+// reaches the drop handler before Stop returns, and Stats do not change
+// after it.
+func TestNoDropAfterStopReturns(t *testing.T) {
+	entered, release := make(chan struct{}), make(chan struct{})
+	conv := ConverterFunc(func(typeurl.Any) (string, any, error) {
+		close(entered)
+		<-release // a slow converter
+		return "a", ev{"a", 1}, nil
+	})
+	var stopReturned atomic.Bool
+	dropAfterStop := make(chan bool, 1)
+	m, err := New(newRecorder(), WithConverter(conv), WithClock(testclock.NewFakeClock(epoch)),
+		WithLogger(quietLogger()), WithDropHandler(func(Drop) { dropAfterStop <- stopReturned.Load() }))
+	require.NoError(t, err)
+	ch := make(chan *Envelope, 1)
+	ch <- &Envelope{Topic: "/t", Event: &anypb.Any{TypeUrl: "x"}}
+	runDone := make(chan error, 1)
+	go func() {
+		runDone <- m.Run(context.Background(), SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) {
+			return ch, nil
+		}))
+	}()
+	<-entered
+	stopDone := make(chan struct{})
+	go func() { m.Stop(); stopReturned.Store(true); close(stopDone) }()
+	waitFor(t, func() bool {
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		return m.state == stopped
+	}, "Stop began")
+	close(release)
+	<-stopDone
+	require.ErrorIs(t, <-runDone, ErrStopped)
+	require.False(t, <-dropAfterStop, "the drop handler was called after Stop returned")
+	s := m.Stats()
+	require.Equal(t, [2]uint64{1, 1}, [2]uint64{s.Received, s.Dropped}, "the envelope in hand: received, then dropped")
 }

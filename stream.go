@@ -81,7 +81,7 @@ func (m *Monitor) Start() <-chan error {
 	m.mu.Lock()
 	sub := m.stream.subscribed
 	m.stream.subscribed = nil
-	if sub == nil && (m.state == held || m.state == running) {
+	if sub == nil && m.state.accepts() {
 		defer m.mu.Unlock()
 		if m.stream.lifetime == nil {
 			m.stream.lifetime = make(chan error)
@@ -121,7 +121,7 @@ func (m *Monitor) Start() <-chan error {
 // mu is held.
 func (m *Monitor) beginReading() error {
 	switch {
-	case m.state == draining || m.state == stopped:
+	case !m.state.accepts():
 		return ErrStopped
 	case m.cfg.converter == nil:
 		return ErrNoConverter
