@@ -14,13 +14,20 @@
 // Only Take and TakeAlone move a key to Running and only a call's end
 // (Done, Failed) moves it out again, so a key is never on two goroutines.
 //
-// Backoff: a failed event goes back to the head of its key's queue and the
-// key waits. When due, the events then queued are the replay; once all are
-// done with, the key leaves backoff, unless PushBackoff added an event
-// meanwhile: then it waits again. A replay failing on its first event (the
-// one that failed before) doubles the delay, up to the cap; any other
-// failure waits the initial delay from the failure, so a key with
-// independent failures keeps moving.
+// Backoff, rule by rule; a due time is the time passed in plus a delay:
+//
+//	Failed            the event goes back to the head and the key waits: the
+//	                  delay doubled (up to the cap) if the call was a
+//	                  replay's first, on the event that failed before; else
+//	                  the initial delay, so independent failures keep moving
+//	Replay (when due) the events then queued are the replay; events pushed
+//	                  later wait behind it, outside it
+//	Done, replay's    the key leaves backoff, its delay reset
+//	last event
+//	PushBackoff       not in backoff: due the initial delay from the push
+//	                  (a Running key waits once its call ends); waiting:
+//	                  keeps its due time; replaying: waits again once the
+//	                  replay is done, due the initial delay from the push
 package keyq
 
 import (
