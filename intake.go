@@ -39,20 +39,30 @@ func (m *Monitor) take(ctx context.Context, env *Envelope) {
 		m.stats.Received++
 		m.stats.Filtered++
 		m.mu.Unlock()
-		return
-	case errors.Is(err, ErrUnsupportedEvent): // the converter's error and payload are user code: not under mu
-		url := env.Event.GetTypeUrl()
-		m.mu.Lock()
-		m.stats.Received++
-		m.stats.Ignored++
-		first := m.firstIgnored(url)
-		m.mu.Unlock()
-		if first {
-			m.cfg.logger.WithFields(log.Fields{"topic": env.Topic, "namespace": env.Namespace, "type": url}).
-				WithError(err).Debug("ignoring events of a type the converter has no key for; logged once per type")
-		}
-		return
+	case errors.Is(err, ErrUnsupportedEvent): // the converter's error is user code: not under mu
+		m.ignore(env, err)
+	default:
+		m.admit(ctx, env, key, event, err)
 	}
+}
+
+// ignore counts an envelope of a type nobody keys, logging its type once.
+func (m *Monitor) ignore(env *Envelope, err error) {
+	url := env.Event.GetTypeUrl() // the payload's code: not under mu
+	m.mu.Lock()
+	m.stats.Received++
+	m.stats.Ignored++
+	first := m.firstIgnored(url)
+	m.mu.Unlock()
+	if first {
+		m.cfg.logger.WithFields(log.Fields{"topic": env.Topic, "namespace": env.Namespace, "type": url}).
+			WithError(err).Debug("ignoring events of a type the converter has no key for; logged once per type")
+	}
+}
+
+// admit accepts a converted envelope's event, waiting for room, or drops
+// it (err: why it did not convert).
+func (m *Monitor) admit(ctx context.Context, env *Envelope, key string, event any, err error) {
 	m.mu.Lock()
 	if err == nil {
 		for m.state.accepts() && ctx.Err() == nil && m.keys.Queued() >= m.cfg.intakeLimit {
