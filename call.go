@@ -33,20 +33,18 @@ const (
 	gaveSlot             // it overran and gave its slot to a new worker
 )
 
-// call is one handler call and the handler's ctx. The ctx ends with a
-// standard context (cancelled at the call's end, deadline or Stop) that
-// the call offers through AfterFunc, so contexts derived from it cost no
-// goroutine and see the call's own Err; it reports the monitor clock's
-// deadline and gives log.G the call's key.
+// call is one handler call and the handler's ctx: a standard context
+// (cancelled at the call's end, deadline or Stop), so contexts derived from
+// it cost no goroutine, even below a context.WithValue, wrapped to report
+// the monitor clock's deadline and to give log.G the call's key.
 type call struct {
-	context.Context                         // the base: values only
-	ended           context.Context         // Done once the call's ctx ends
-	cancel          context.CancelCauseFunc // ends it, saying why
-	key             *keyq.Key[item]         // its name never changes: read it anywhere
-	it              item                    // its failures change only under mu, by the call's own goroutine
-	start           time.Time               // read only with a deadline or metrics
-	deadline        time.Time               // zero: none (WithHandleTimeout(0))
-	replayStart     bool                    // its event is the first of a replay: logged as a retry
+	context.Context
+	cancel      context.CancelCauseFunc
+	key         *keyq.Key[item] // its name never changes: read it anywhere
+	it          item            // its failures change only under mu, by the call's own goroutine
+	start       time.Time       // read only with a deadline or metrics
+	deadline    time.Time       // zero: none (WithHandleTimeout(0))
+	replayStart bool            // its event is the first of a replay: logged as a retry
 
 	// Guarded by Monitor.mu.
 	seat  seat
@@ -56,19 +54,15 @@ type call struct {
 // Deadline is the monitor clock's start plus the handle timeout.
 func (c *call) Deadline() (time.Time, bool) { return c.deadline, !c.deadline.IsZero() }
 
-func (c *call) Done() <-chan struct{} { return c.ended.Done() }
-
-// Err is DeadlineExceeded once the deadline ended the call's ctx.
+// Err is DeadlineExceeded once the deadline ended the call's ctx. The
+// cause is set with the error: read after it, it is never missing.
 func (c *call) Err() error {
-	if context.Cause(c.ended) == context.DeadlineExceeded {
+	err := c.Context.Err()
+	if err != nil && context.Cause(c.Context) == context.DeadlineExceeded {
 		return context.DeadlineExceeded
 	}
-	return c.ended.Err()
+	return err
 }
-
-// AfterFunc lets a context derived from the call's wait for its end
-// without a goroutine, and take its Err.
-func (c *call) AfterFunc(f func()) (stop func() bool) { return context.AfterFunc(c.ended, f) }
 
 // Value gives the base context's logger the call's key.
 func (c *call) Value(key any) any {
@@ -94,8 +88,8 @@ func (m *Monitor) takeReady() *call {
 
 // startCall registers a call of it for k, just taken. mu is held.
 func (m *Monitor) startCall(k *keyq.Key[item], it item, replayStart bool, s seat) *call {
-	c := &call{Context: m.base, key: k, it: it, replayStart: replayStart, seat: s}
-	c.ended, c.cancel = context.WithCancelCause(m.base)
+	c := &call{key: k, it: it, replayStart: replayStart, seat: s}
+	c.Context, c.cancel = context.WithCancelCause(m.base)
 	if m.cfg.handleTimeout > 0 || m.cfg.metrics != nil {
 		c.start = m.cfg.clock.Now()
 	}

@@ -12,7 +12,11 @@ import (
 type Handler interface {
 	// HandleEvent handles one event. ctx carries the per-event timeout and
 	// ends when HandleEvent returns; log.G(ctx) is the monitor's logger with
-	// the event's key. An error or panic sends the event to its key's backoff.
+	// the event's key. At the deadline ctx.Err() is DeadlineExceeded; a
+	// context derived from ctx ends then too, its Err Canceled (the standard
+	// library copies it from the cancel context within) and its
+	// context.Cause DeadlineExceeded. An error or panic sends the event to
+	// its key's backoff.
 	HandleEvent(ctx context.Context, event any) error
 }
 

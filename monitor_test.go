@@ -405,27 +405,91 @@ func TestPoppedEventsAreNotRetained(t *testing.T) {
 }
 
 // A context the handler derives from its ctx (containerd's handlers wrap
-// shim calls in context.WithTimeout(ctx, ...)) ends with DeadlineExceeded
-// when the call's deadline ends the call: errors.Is(err,
-// context.DeadlineExceeded) around a shim call holds. It once reported
-// Canceled, copied from the cancel context inside the call.
-func TestDerivedContextEndsWithDeadlineExceeded(t *testing.T) {
-	got, derived := make(chan error, 1), make(chan struct{})
+// shim calls in context.WithTimeout(ctx, ...)) ends at the call's
+// deadline: its Err is Canceled, copied by the standard library from the
+// cancel context inside the call, and its Cause DeadlineExceeded, as the
+// Handler doc says.
+func TestDerivedContextEndsAtTheDeadline(t *testing.T) {
+	got, derived := make(chan [2]error, 1), make(chan struct{})
 	h := newHarness(t, HandlerFunc(func(ctx context.Context, _ any) error {
 		child, cancel := context.WithCancel(ctx)
 		defer cancel()
 		close(derived)
 		<-child.Done()
-		got <- child.Err()
+		got <- [2]error{child.Err(), context.Cause(child)}
 		return nil
 	}), WithHandleTimeout(10*time.Second))
 	require.NoError(t, h.m.Submit("a", ev{"a", 1}))
 	<-derived
 	h.clock.Step(10 * time.Second)
 	select {
-	case err := <-got:
-		require.ErrorIs(t, err, context.DeadlineExceeded)
+	case errs := <-got:
+		require.ErrorIs(t, errs[0], context.Canceled)
+		require.ErrorIs(t, errs[1], context.DeadlineExceeded)
 	case <-time.After(10 * time.Second):
 		t.Fatal("the derived context never ended")
+	}
+}
+
+type namespaceKey struct{}
+
+// Below a context.WithValue (namespaces.WithNamespace, log.WithLogger: what
+// a containerd handler does first), a derived context still costs no
+// goroutine: the standard library finds the call's cancel context through
+// Value. A change that hid it behind AfterFunc started one per derivation.
+func TestDerivedContextBelowAValueCostsNoGoroutine(t *testing.T) {
+	const n = 200
+	extra := make(chan int, 1)
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, _ any) error {
+		ctx = context.WithValue(ctx, namespaceKey{}, "k8s.io")
+		before := runtime.NumGoroutine()
+		cancels := make([]context.CancelFunc, 0, n)
+		for range n {
+			_, cancel := context.WithTimeout(ctx, time.Hour)
+			cancels = append(cancels, cancel)
+		}
+		extra <- runtime.NumGoroutine() - before
+		for _, c := range cancels {
+			c()
+		}
+		return nil
+	}))
+	require.NoError(t, h.m.Submit("a", ev{"a", 1}))
+	got := <-extra
+	h.settled(t)
+	require.Less(t, got, n/2, "%d contexts derived below a WithValue started %d goroutines", n, got)
+}
+
+// The handler's ctx.Err never changes once non-nil: read racing the
+// deadline, it is DeadlineExceeded from the first, never Canceled then
+// DeadlineExceeded (it once read the cause before the error).
+func TestErrAtTheDeadlineIsNeverCanceledFirst(t *testing.T) {
+	const rounds = 30
+	var mu sync.Mutex
+	var firsts []error
+	running := make(chan struct{}, 1)
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, _ any) error {
+		running <- struct{}{}
+		var first error
+		for first == nil {
+			first = ctx.Err()
+		}
+		mu.Lock()
+		firsts = append(firsts, first)
+		mu.Unlock()
+		return nil
+	}), WithHandleTimeout(time.Second))
+	for i := range rounds {
+		require.NoError(t, h.m.Submit("a", ev{"a", i}))
+		<-running
+		waitArmed(t, h.m, func(time.Time) bool { return true })
+		h.clock.Step(time.Second)
+		h.settled(t)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	require.Len(t, firsts, rounds)
+	for i, err := range firsts {
+		require.ErrorIs(t, err, context.DeadlineExceeded, "round %d: the first non-nil Err at the deadline", i)
 	}
 }

@@ -17,7 +17,8 @@ import (
 // or converter holds it up). Stop is idempotent and safe for concurrent
 // use. Do not call it from a handler, which it would wait for until it
 // overruns (or forever, without a timeout), nor from the drop handler,
-// Metrics or a log hook, which it may be waiting for: go m.Stop().
+// Metrics, a log hook or a converter, which it may be waiting for: go
+// m.Stop().
 func (m *Monitor) Stop() { m.stop(context.Background()) }
 
 // stop is Stop, abandoning every call still running once ctx ends.
