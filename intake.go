@@ -16,14 +16,10 @@ var errFiltered = errors.New("eventmonitor: envelope of another namespace")
 
 // take converts env without the lock and accepts it, waiting until ctx ends
 // while WithIntakeLimit events wait for a worker, so that a flood stays in
-// the runtime rather than in our memory. What cannot be accepted is dropped.
-// Once Stop began, env is left unread, like those still in the stream.
+// the runtime rather than in our memory. What cannot be accepted is dropped:
+// once Stop began, with ErrStopped.
 func (m *Monitor) take(ctx context.Context, env *Envelope) {
 	m.mu.Lock()
-	if m.state == stopped {
-		m.mu.Unlock()
-		return
-	}
 	m.stream.accepting++ // WaitIdle and Stop wait for it
 	m.mu.Unlock()
 	defer func() {

@@ -13,8 +13,7 @@ import (
 //
 //	Received = Filtered + Ignored + Handled + Dropped + Forgotten + Queued + EventsInBackoff + InFlight
 type Stats struct {
-	// Received: envelopes read (one read once Stop began is left, as those
-	// still in the stream are), and events accepted or, with no caller to
+	// Received: envelopes read, and events accepted or, with no caller to
 	// refuse (Backoff, exits), dropped; Filtered: other namespaces'
 	// envelopes; Ignored: types the converter does not key or the handler
 	// returned ErrUnsupportedEvent for (not ours: not drops);

@@ -13,12 +13,13 @@ import (
 // WithHandleTimeout): it returns within about the handle timeout whatever
 // handlers do. Every event left, queued or in backoff, then goes to the
 // drop handler with ErrStopped. It waits for returned calls' reports and
-// an envelope being converted too (a blocking drop handler, logger, Metrics
-// or converter holds it up). Stop is idempotent and safe for concurrent
-// use. Do not call it from a handler, which it would wait for until it
-// overruns (or forever, without a timeout), nor from the drop handler,
-// Metrics, a log hook or a converter, which it may be waiting for: go
-// m.Stop().
+// envelopes being taken too (a blocking drop handler, logger, Metrics or
+// converter holds it up); one that Run's reader takes as Stop returns is
+// dropped with ErrStopped, maybe just after. Stop is idempotent and safe
+// for concurrent use. Do not call it from a handler, which it would wait
+// for until it overruns (or forever, without a timeout), nor from the drop
+// handler, Metrics, a log hook or a converter, which it may be waiting
+// for: go m.Stop().
 func (m *Monitor) Stop() { m.stop(context.Background()) }
 
 // stop is Stop, abandoning every call still running once ctx ends.

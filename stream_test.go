@@ -445,3 +445,39 @@ func TestRunLeavesNoResubscribeTimerOnIdleMonitor(t *testing.T) {
 	h.m.Stop()
 	require.False(t, h.clock.HasWaiters(), "stopped monitor: a timer is left on the clock")
 }
+
+// An envelope Start's reader takes off the stream after Stop began is
+// still accounted for: Received, then dropped with ErrStopped, before Stop
+// returns (Stop waits for Start's reader). The reader's select picks the
+// second envelope or intake's end at random; either way nothing read is
+// lost.
+func TestStartReaderDropsAnEnvelopeReadAfterStop(t *testing.T) {
+	entered, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	conv := ConverterFunc(func(p typeurl.Any) (string, any, error) {
+		once.Do(func() { close(entered); <-release })
+		return "a", ev{"a", 0}, nil
+	})
+	h := newHarness(t, newRecorder(), WithConverter(conv))
+	ch := make(chan *Envelope, 2)
+	ch <- &Envelope{Topic: "/t1", Event: payload(t, wrapperspb.String("a"))}
+	ch <- &Envelope{Topic: "/t2", Event: payload(t, wrapperspb.String("a"))}
+	h.m.Subscribe(SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) {
+		return ch, nil
+	}))
+	h.m.Start()
+	<-entered
+	stopped := make(chan struct{})
+	go func() { h.m.Stop(); close(stopped) }()
+	waitFor(t, h.stopping, "Stop began")
+	close(release)
+	<-stopped
+	s := h.m.Stats()
+	assertBalanced(t, s)
+	read := 2 - len(ch)
+	require.EqualValues(t, read, s.Received, "envelopes read off the channel: %d; %+v", read, s)
+	require.Len(t, h.drops.all(), read, "every envelope read is dropped: the stop came first")
+	for _, d := range h.drops.all() {
+		require.ErrorIs(t, d.Reason, ErrStopped)
+	}
+}
