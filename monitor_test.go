@@ -431,35 +431,6 @@ func TestDerivedContextEndsAtTheDeadline(t *testing.T) {
 	}
 }
 
-type namespaceKey struct{}
-
-// Below a context.WithValue (namespaces.WithNamespace, log.WithLogger: what
-// a containerd handler does first), a derived context still costs no
-// goroutine: the standard library finds the call's cancel context through
-// Value. A change that hid it behind AfterFunc started one per derivation.
-func TestDerivedContextBelowAValueCostsNoGoroutine(t *testing.T) {
-	const n = 200
-	extra := make(chan int, 1)
-	h := newHarness(t, HandlerFunc(func(ctx context.Context, _ any) error {
-		ctx = context.WithValue(ctx, namespaceKey{}, "k8s.io")
-		before := runtime.NumGoroutine()
-		cancels := make([]context.CancelFunc, 0, n)
-		for range n {
-			_, cancel := context.WithTimeout(ctx, time.Hour)
-			cancels = append(cancels, cancel)
-		}
-		extra <- runtime.NumGoroutine() - before
-		for _, c := range cancels {
-			c()
-		}
-		return nil
-	}))
-	require.NoError(t, h.m.Submit("a", ev{"a", 1}))
-	got := <-extra
-	h.settled(t)
-	require.Less(t, got, n/2, "%d contexts derived below a WithValue started %d goroutines", n, got)
-}
-
 // The handler's ctx.Err never changes once non-nil: read racing the
 // deadline, it is DeadlineExceeded from the first, never Canceled then
 // DeadlineExceeded (it once read the cause before the error).
