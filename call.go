@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"runtime/debug"
 	"slices"
+	"sync/atomic"
 	"time"
 
 	"github.com/containerd/log"
@@ -45,6 +46,10 @@ type call struct {
 	start       time.Time       // read only with a deadline or metrics
 	deadline    time.Time       // zero: none (WithHandleTimeout(0))
 	replayStart bool            // its event is the first of a replay: logged as a retry
+	// returned: the handler returned, so the call is no longer running: it
+	// is neither timed, marked late or overran, nor abandoned, but settled
+	// by its goroutine as soon as it takes mu. Set without mu.
+	returned atomic.Bool
 
 	// Guarded by Monitor.mu.
 	seat  seat
@@ -118,6 +123,7 @@ func (m *Monitor) handle(c *call) (next *call) {
 		return nil // Stop gave up on it before it began, and accounted for it
 	}
 	err := m.invoke(c)
+	c.returned.Store(true)                         // before anything that may be slow: Stop must wait, not abandon
 	c.cancel(context.Canceled)                     // what the handler started with ctx stops
 	ignored := errors.Is(err, ErrUnsupportedEvent) // err is user code: not under mu
 	var end time.Time

@@ -40,6 +40,9 @@ func (m *Monitor) wakeAt() (at time.Time) {
 		return at
 	}
 	for _, c := range m.calls {
+		if c.returned.Load() {
+			continue // settles as soon as it has the lock
+		}
 		switch c.stage {
 		case inTime:
 			earlier(c.deadline)
@@ -176,7 +179,7 @@ type overrun struct {
 func (m *Monitor) expire(now time.Time) []overrun {
 	var stuck []*call
 	for _, c := range m.calls {
-		if c.deadline.IsZero() || now.Before(c.deadline) {
+		if c.deadline.IsZero() || now.Before(c.deadline) || c.returned.Load() {
 			continue
 		}
 		if c.stage == inTime {

@@ -57,13 +57,14 @@ func (m *Monitor) beginStop() {
 	m.changed()
 }
 
-// abandon gives up, at Stop, on the calls in the given stages: their
-// events are dropped, saying why, and their goroutines leave unseen if
-// they ever return. mu is held.
+// abandon gives up, at Stop, on the calls in the given stages whose
+// handler is still running: their events are dropped, saying why, and their
+// goroutines leave unseen if they ever return. A call whose handler
+// returned is waited for: it settles as soon as it has the lock. mu is held.
 func (m *Monitor) abandon(why string, stages ...stage) {
 	before := len(m.calls)
 	m.calls = slices.DeleteFunc(m.calls, func(c *call) bool {
-		if !slices.Contains(stages, c.stage) {
+		if !slices.Contains(stages, c.stage) || c.returned.Load() {
 			return false
 		}
 		c.stage = abandoned
@@ -125,7 +126,7 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	for m.state == draining && ctx.Err() == nil && m.drainable() {
 		m.cond.Wait()
 	}
-	stuck := m.count(overran)
+	stuck := m.stuck()
 	drained := m.state == draining && m.drained()
 	cut := drainer && m.state == stopped && m.drainCut
 	m.mu.Unlock()
@@ -152,8 +153,20 @@ func (m *Monitor) drained() bool {
 // drainable reports whether a drain can still move: a call not overran
 // may finish, or a ready key has a free slot. mu is held.
 func (m *Monitor) drainable() bool {
-	moving := len(m.calls) - m.count(overran)
+	moving := len(m.calls) - m.stuck()
 	return moving > 0 || m.keys.HasReady() && m.slotsHeld() < m.cfg.workers
+}
+
+// stuck is how many calls overran and are still running: a returned one
+// settles as soon as it has the lock. mu is held.
+func (m *Monitor) stuck() int {
+	n := 0
+	for _, c := range m.calls {
+		if c.stage == overran && !c.returned.Load() {
+			n++
+		}
+	}
+	return n
 }
 
 // releaseHold ends WithDeferredStart's hold. mu is held.
