@@ -169,7 +169,10 @@ func (m *Monitor) abandoned(c *call) bool {
 	return c.stage == abandoned
 }
 
-// invoke calls the handler, turning a panic into ErrHandlerPanic.
+// invoke calls the handler, turning a panic into ErrHandlerPanic, and so
+// an error whose Error panics (a typed nil pointer returned as an error):
+// the logger, here or in logrus's JSON formatter, would otherwise call it
+// where no recover waits.
 func (m *Monitor) invoke(c *call) (err error) {
 	defer func() {
 		if r := recover(); r != nil {
@@ -178,7 +181,10 @@ func (m *Monitor) invoke(c *call) (err error) {
 				WithError(err).Error("event handler panicked")
 		}
 	}()
-	return m.handler.HandleEvent(c, c.it.event)
+	if err = m.handler.HandleEvent(c, c.it.event); err != nil {
+		_ = err.Error()
+	}
+	return err
 }
 
 // outcome is what a failed call leaves to report once mu is released.
