@@ -240,7 +240,8 @@ func (m *Monitor) NextRetry() (time.Time, bool) {
 // envelope may be taken off its channel an instant before the reader notes
 // it: stream tests also wait for Stats().Received (or use testing/synctest).
 func (m *Monitor) WaitIdle(ctx context.Context) error {
-	defer context.AfterFunc(ctx, m.wakeWaiters)()
+	ctx, done := m.waitingOn(ctx)
+	defer done()
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	for !m.idle() {
@@ -265,6 +266,16 @@ func (m *Monitor) idle() bool {
 		return false
 	}
 	return !m.sched.overdue(m.cfg.clock.Now())
+}
+
+// waitingOn derives from a caller's ctx one that a waiter on cond may read
+// under mu, its Err being the standard library's (the caller's may be any
+// code), and that wakes the waiters when it ends. Call done when the wait
+// is over.
+func (m *Monitor) waitingOn(ctx context.Context) (_ context.Context, done func()) {
+	ctx, cancel := context.WithCancel(ctx)
+	stopWaking := context.AfterFunc(ctx, m.wakeWaiters)
+	return ctx, func() { stopWaking(); cancel() }
 }
 
 // wakeWaiters wakes all on cond, for a waiter whose ctx ended.

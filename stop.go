@@ -12,19 +12,24 @@ import (
 // return, abandoning (and dropping the event of) a call that overruns (see
 // WithHandleTimeout): it returns within about the handle timeout whatever
 // handlers do. Every event left, queued or in backoff, then goes to the
-// drop handler with ErrStopped. It waits for returned calls' reports and
-// envelopes being taken too (a blocking drop handler, logger, Metrics or
-// converter holds it up); one that Run's reader takes as Stop returns is
-// dropped with ErrStopped, maybe just after. Stop is idempotent and safe
-// for concurrent use. Do not call it from a handler, which it would wait
-// for until it overruns (or forever, without a timeout), nor from the drop
-// handler, Metrics, a log hook or a converter, which it may be waiting
-// for: go m.Stop().
+// drop handler with ErrStopped. Stop is idempotent and safe for concurrent
+// use.
+//
+// Stop also waits for what is already under way outside the handler: the
+// reports of returned calls, envelopes being taken and exits being read,
+// so a blocking drop handler, logger, Metrics, converter, exit builder or
+// ExitStatus.Result holds it up. An envelope Run's reader takes as Stop
+// returns is dropped with ErrStopped, maybe just after.
+//
+// Do not call Stop from a handler, which it would wait for until it
+// overruns (forever, without a timeout), nor from the drop handler,
+// Metrics, a log hook or a converter, which it may be waiting for: call go
+// m.Stop() there.
 func (m *Monitor) Stop() { m.stop(context.Background()) }
 
-// stop is Stop, abandoning every call still running once ctx ends.
+// stop is Stop, abandoning every call still running once ctx, from
+// waitingOn, ends.
 func (m *Monitor) stop(ctx context.Context) {
-	defer context.AfterFunc(ctx, m.wakeWaiters)()
 	m.mu.Lock()
 	m.beginStop()
 	for len(m.calls) > 0 {
@@ -116,7 +121,8 @@ func (m *Monitor) finishStop() {
 // returned call's report is still waited for), and returns ctx's error.
 func (m *Monitor) Shutdown(ctx context.Context) error {
 	m.endIntake()
-	defer context.AfterFunc(ctx, m.wakeWaiters)()
+	ctx, done := m.waitingOn(ctx)
+	defer done()
 	m.mu.Lock()
 	drainer := m.state != stopped // else a Stop left it nothing to drain
 	if m.state.accepts() {
