@@ -35,8 +35,7 @@ func envInt(t *testing.T, name string, def uint64) uint64 {
 // handling follows its acceptance order.
 //
 // EVENTMONITOR_SEED picks the seed; EVENTMONITOR_SOAK_EVENTS scales the run.
-// It runs with handle timeouts, call by call, and without (WithHandleTimeout
-// of 0), where workers take a key's events in runs.
+// It runs with handle timeouts and without (WithHandleTimeout of 0).
 func TestAccountingUnderChaos(t *testing.T) {
 	// The fake clock races ahead (5 ms a step, as fast as it can): a
 	// deadline far out keeps calls that are merely slow under the race

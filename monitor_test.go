@@ -4,7 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"math/rand/v2"
+	"os"
+	"os/exec"
 	"runtime"
 	"slices"
 	"sync"
@@ -12,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/sirupsen/logrus"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -463,4 +467,55 @@ func TestErrAtTheDeadlineIsNeverCanceledFirst(t *testing.T) {
 	for i, err := range firsts {
 		require.ErrorIs(t, err, context.DeadlineExceeded, "round %d: the first non-nil Err at the deadline", i)
 	}
+}
+
+// nilPtrErr is an error type whose Error dereferences its receiver.
+type nilPtrErr struct{ msg string }
+
+func (e *nilPtrErr) Error() string { return e.msg }
+
+// Promise (README: a handler panic is "recovered, logged with its stack,
+// backed off", not "kills the process" as in containerd): a handler's
+// misbehaviour cannot take the process down. Returning a typed nil pointer
+// as an error is Go's best-known nil trap; the event fails and backs off.
+// Before the fix the process died: with logrus's text formatter at the
+// replay, whose log line called the stored error's Error method; with its
+// JSON formatter (containerd's --log-format json) at the first failure,
+// whose log line hands the error to logrus, which calls Error too. Neither
+// was under a recover. The handler's call now counts as a panic. The scenario runs in a child process so that the crash fails
+// this test rather than the test binary.
+func TestTypedNilErrorDoesNotCrash(t *testing.T) {
+	if format := os.Getenv("EVENTMONITOR_TYPED_NIL_CHILD"); format != "" {
+		typedNilErrorScenario(t, format)
+		return
+	}
+	for _, format := range []string{"text", "json"} {
+		cmd := exec.Command(os.Args[0], "-test.run=^TestTypedNilErrorDoesNotCrash$", "-test.count=1")
+		cmd.Env = append(os.Environ(), "EVENTMONITOR_TYPED_NIL_CHILD="+format)
+		out, err := cmd.CombinedOutput()
+		if len(out) > 3000 {
+			out = out[:3000]
+		}
+		assert.NoError(t, err, "with the %s formatter, the process running the monitor died:\n%s", format, out)
+	}
+}
+
+func typedNilErrorScenario(t *testing.T, format string) {
+	logger := logrus.New()
+	logger.Out = io.Discard
+	if format == "json" {
+		logger.Formatter = &logrus.JSONFormatter{}
+	}
+	var calls atomic.Int32
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		if calls.Add(1) == 1 {
+			var err *nilPtrErr
+			return err // a non-nil error holding a nil pointer
+		}
+		return nil
+	}), WithLogger(logrus.NewEntry(logger)))
+	h.submit(t, ev{"a", 1})
+	h.step(t, DefaultInitialBackoff) // the replay
+	require.Equal(t, int32(2), calls.Load())
+	require.Equal(t, uint64(1), h.m.Stats().Handled)
 }

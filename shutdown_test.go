@@ -51,11 +51,7 @@ func TestShutdownDeadlineDropsTheRest(t *testing.T) {
 	go func() { done <- h.m.Shutdown(ctx) }()
 	waitFor(t, h.stopping, "Shutdown begins")
 	cancel() // Shutdown gives up draining and Stops at once: a/1, ignoring its ctx, is abandoned
-	waitFor(t, func() bool {
-		h.m.mu.Lock()
-		defer h.m.mu.Unlock()
-		return h.m.state == stopped
-	}, "Shutdown gives up and stops")
+	waitFor(t, stateIs(h.m, stopped), "Shutdown gives up and stops")
 	release()
 	err := <-done
 	require.ErrorIs(t, err, context.Canceled)

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -302,15 +303,172 @@ func TestNoDropAfterStopReturns(t *testing.T) {
 	<-entered
 	stopDone := make(chan struct{})
 	go func() { m.Stop(); stopReturned.Store(true); close(stopDone) }()
-	waitFor(t, func() bool {
-		m.mu.Lock()
-		defer m.mu.Unlock()
-		return m.state == stopped
-	}, "Stop began")
+	waitFor(t, stateIs(m, stopped), "Stop began")
 	close(release)
 	<-stopDone
 	require.ErrorIs(t, <-runDone, ErrStopped)
 	require.False(t, <-dropAfterStop, "the drop handler was called after Stop returned")
 	s := m.Stats()
 	require.Equal(t, [2]uint64{1, 1}, [2]uint64{s.Received, s.Dropped}, "the envelope in hand: received, then dropped")
+}
+
+// gatedClock is a fake clock whose Now, once armed, holds its next caller
+// until released. Armed by a handler just before it returns, it holds the
+// worker between the handler's return and the settling of its call, as the
+// Go scheduler may (preemption, GC, a CPU-throttled container) for longer
+// than a grace of min(1 s, timeout/10), or across the instant Shutdown's
+// ctx ends.
+type gatedClock struct {
+	*testclock.FakeClock
+	armed   atomic.Bool
+	blocked chan struct{}
+	release chan struct{}
+}
+
+func newGatedClock() *gatedClock {
+	return &gatedClock{FakeClock: testclock.NewFakeClock(epoch), blocked: make(chan struct{}), release: make(chan struct{})}
+}
+
+func (c *gatedClock) Now() time.Time {
+	if c.armed.CompareAndSwap(true, false) {
+		close(c.blocked)
+		<-c.release
+	}
+	return c.FakeClock.Now()
+}
+
+// returnedCallMonitor starts a call that has returned nil, its worker held
+// before it takes the lock to settle it.
+func returnedCallMonitor(t *testing.T) (*Monitor, *gatedClock, *dropLog) {
+	t.Helper()
+	clk := newGatedClock()
+	drops := &dropLog{}
+	m, err := New(HandlerFunc(func(ctx context.Context, e any) error {
+		clk.armed.Store(true) // the worker's next clock read is after this return
+		return nil
+	}), WithClock(clk), WithMetrics(noopMetrics{}), WithDropHandler(drops.add), WithLogger(quietLogger()))
+	require.NoError(t, err)
+	require.NoError(t, m.Submit("a", ev{"a", 1}))
+	select {
+	case <-clk.blocked:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the handler never returned")
+	}
+	return m, clk, drops
+}
+
+func stateIs(m *Monitor, s lifecycle) func() bool {
+	return func() bool {
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		return m.state == s
+	}
+}
+
+// Promise (Shutdown's doc): "If ctx ends first it stops at once, abandoning
+// every call in progress (a returned call's report is still waited for)".
+// A call whose handler returned nil before Shutdown began is not in
+// progress: its event is handled, not dropped as "handler still running
+// when Shutdown's ctx ended". Before the fix the call was abandoned: its
+// event reached the drop handler with ErrStopped though the handler had
+// handled it, and Stats counted it Dropped, not Handled (which also failed
+// TestShutdownAccountsForMixedTraffic now and then).
+func TestShutdownDoesNotAbandonAReturnedCall(t *testing.T) {
+	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
+	m, clk, drops := returnedCallMonitor(t)
+
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	done := make(chan error, 1)
+	go func() { done <- m.Shutdown(ctx) }()
+	// Stop begun: whatever it abandons, it has abandoned (under the lock, at once).
+	waitFor(t, stateIs(m, stopped), "Shutdown never stopped")
+	close(clk.release)
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Shutdown did not return once the call settled")
+	}
+	require.Empty(t, drops.all(), "an event its handler handled was dropped")
+	s := m.Stats()
+	require.Equal(t, uint64(1), s.Handled, "%+v", s)
+}
+
+// Promise (Stop's doc and README "Stopping"): Stop abandons "a call still
+// running when it overruns". A call whose handler returned nil well before
+// its deadline is not running, and must not be marked overrunning by the
+// scheduler nor dropped by Stop. Before the fix the scheduler marked it
+// overran once the clock passed its deadline and grace, and Stop dropped
+// its event with "handler overran its deadline, abandoned".
+func TestStopDoesNotAbandonAReturnedCallAsOverrun(t *testing.T) {
+	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
+	m, clk, drops := returnedCallMonitor(t)
+
+	clk.Step(DefaultHandleTimeout + time.Second) // past the deadline and the grace
+	waitFor(t, func() bool {                     // the scheduler's pass for that time has run
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		return m.sched.at.IsZero()
+	}, "the scheduler never looked at the call")
+	done := make(chan struct{})
+	go func() { m.Stop(); close(done) }()
+	waitFor(t, stateIs(m, stopped), "Stop never began")
+	close(clk.release)
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Stop did not return once the call settled")
+	}
+	require.Empty(t, drops.all(), "an event its handler handled was dropped")
+	s := m.Stats()
+	require.Equal(t, uint64(1), s.Handled, "%+v", s)
+}
+
+// lockProbeCtx is a caller's context whose Err notes whether it was called
+// while its caller held the monitor's lock: the lock then stays taken for
+// as long as Err waits for it (nothing holds it that long otherwise).
+type lockProbeCtx struct {
+	context.Context
+	m         *Monitor
+	underLock atomic.Bool
+}
+
+func (c *lockProbeCtx) Err() error {
+	for deadline := time.Now().Add(200 * time.Millisecond); !c.m.mu.TryLock(); {
+		if time.Now().After(deadline) {
+			c.underLock.Store(true)
+			return c.Context.Err()
+		}
+		runtime.Gosched()
+	}
+	c.m.mu.Unlock()
+	return c.Context.Err()
+}
+
+// Promise (the package's own lock rule, kept for the handler's error, the
+// converter's, the payload's type URL, the drop handler, Metrics and log
+// hooks): no user code runs under Monitor.mu. A caller's ctx is user code:
+// an Err that takes a lock of its own, logs through a hook or reads Stats
+// deadlocks or inverts lock order. Before the fix WaitIdle, Shutdown and
+// Stop's wait loop called ctx.Err() with mu held.
+func TestCallersContextIsNotReadUnderTheLock(t *testing.T) {
+	r := newRecorder()
+	started, release := r.gate(ev{"a", 1})
+	h := newHarness(t, r)
+	h.submit(t, ev{"a", 1})
+	<-started // a call runs: WaitIdle and Shutdown wait, looking at ctx
+
+	ended, cancel := context.WithCancel(context.Background())
+	cancel()
+	ctx := &lockProbeCtx{Context: ended, m: h.m}
+	require.ErrorIs(t, h.m.WaitIdle(ctx), context.Canceled)
+	waitIdle := ctx.underLock.Load()
+
+	ctx = &lockProbeCtx{Context: ended, m: h.m}
+	done := make(chan error, 1)
+	go func() { done <- h.m.Shutdown(ctx) }()
+	require.ErrorIs(t, <-done, context.Canceled)
+	release()
+	require.False(t, waitIdle, "WaitIdle called its ctx's Err under the monitor's lock")
+	require.False(t, ctx.underLock.Load(), "Shutdown called its ctx's Err under the monitor's lock")
 }

@@ -18,7 +18,8 @@
 //
 //	Failed            the event goes back to the head and the key waits: the
 //	                  delay doubled (up to the cap) if the call was a
-//	                  replay's first, on the event that failed before; else
+//	                  replay's first (its event failed before, or came by
+//	                  PushBackoff); else
 //	                  the initial delay, so independent failures keep moving
 //	Replay (when due) the events then queued are the replay; events pushed
 //	                  later wait behind it, outside it
