@@ -46,9 +46,10 @@ type call struct {
 	start       time.Time       // read only with a deadline or metrics
 	deadline    time.Time       // zero: none (WithHandleTimeout(0))
 	replayStart bool            // its event is the first of a replay: logged as a retry
-	// returned: the handler returned, so the call is no longer running: it
-	// is neither timed, marked late or overran, nor abandoned, but settled
-	// by its goroutine as soon as it takes mu. Set without mu.
+	// returned: the handler (and its error's methods) returned, so the call
+	// is no longer running: it is neither timed, marked late or overran,
+	// nor abandoned, but settled by its goroutine once it takes mu, which
+	// may be a while. Set without mu.
 	returned atomic.Bool
 
 	// Guarded by Monitor.mu.
@@ -123,9 +124,9 @@ func (m *Monitor) handle(c *call) (next *call) {
 		return nil // Stop gave up on it before it began, and accounted for it
 	}
 	err := m.invoke(c)
-	c.returned.Store(true)                         // before anything that may be slow: Stop must wait, not abandon
-	c.cancel(context.Canceled)                     // what the handler started with ctx stops
 	ignored := errors.Is(err, ErrUnsupportedEvent) // err is user code: not under mu
+	c.returned.Store(true)                         // no user code is left: Stop waits, not abandons
+	c.cancel(context.Canceled)                     // what the handler started with ctx stops
 	var end time.Time
 	if err != nil || m.cfg.metrics != nil {
 		end = m.cfg.clock.Now()
