@@ -132,8 +132,8 @@ func (m *Monitor) handle(c *call) (next *call) {
 		end = m.cfg.clock.Now()
 	}
 	m.mu.Lock()
-	defer m.mu.Unlock()
 	if c.stage == abandoned {
+		m.mu.Unlock()
 		return nil // Stop gave up on it and accounted for it
 	}
 	overran := c.stage == overran
@@ -141,7 +141,7 @@ func (m *Monitor) handle(c *call) (next *call) {
 	if overran || out.failed != nil || m.cfg.metrics != nil {
 		c.stage = settling // WaitIdle and Stop wait for the report
 		m.changed()
-		m.mu.Unlock()
+		m.mu.Unlock() // the report runs user code: logger, Metrics, drop handler
 		m.report(c, err, end, out, overran)
 		m.mu.Lock()
 		if out.drop != nil {
@@ -153,6 +153,7 @@ func (m *Monitor) handle(c *call) (next *call) {
 	}
 	m.removeCall(c)
 	m.changed()
+	m.mu.Unlock()
 	return next
 }
 

@@ -66,18 +66,22 @@ func (m *Monitor) overrunAt(c *call) time.Time {
 // mu is held.
 func (m *Monitor) retime() {
 	at, s := m.wakeAt(), &m.sched
-	if at.IsZero() == s.at.IsZero() && !at.Before(s.at) {
+	switch {
+	case at.IsZero():
+		if !s.at.IsZero() {
+			s.at = time.Time{}
+			s.stop()
+		}
 		return
+	case !s.at.IsZero() && !at.Before(s.at):
+		return // it fires no later than needed
 	}
-	if s.at = at; at.IsZero() {
-		s.stop()
-		return
-	}
-	// Reset counts from the clock's time when it runs: a fake clock stepped
-	// since now leaves the timer late, so set it again (a real clock, always
-	// moving, then leaves it nanoseconds late). Stepped during both tries, by
-	// a test not waiting for WaitIdle, it stays late until the next Step or
-	// WaitIdle, which finds it overdue.
+	s.at = at
+	// A timer counts from the clock's time when it is set, not from now: a
+	// fake clock stepped in between leaves it late, so it is set once more
+	// if the clock moved (a real clock always moves: nanoseconds late). A
+	// test stepping during both tries sees its retry at its next Step, or
+	// at WaitIdle, which finds the timer overdue.
 	var now time.Time
 	for tries := 0; tries < 2; tries++ {
 		now = m.cfg.clock.Now()
