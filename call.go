@@ -211,19 +211,22 @@ func (m *Monitor) settle(c *call, err error, ignored bool, end time.Time) outcom
 		return outcome{}
 	}
 	m.stats.Failed++
-	if c.it.attempts == 0 {
-		c.it.firstFailure = end
+	// A new record: the report of the call that made the old one reads it
+	// without the lock.
+	f := failures{first: end, attempts: 1, last: err}
+	if old := c.it.failures; old != nil {
+		f.first, f.attempts = old.first, old.attempts+1
 	}
-	c.it.attempts++
-	c.it.lastErr = err
+	c.it.failures = &f
+	it := c.it
 	var reason error
 	switch {
 	case !m.state.accepts():
 		reason = failedDrop{ErrStopped, ": failed while shutting down", err}
-	case m.cfg.maxAttempts > 0 && c.it.attempts >= m.cfg.maxAttempts:
-		reason = failedDrop{ErrMaxAttempts, fmt.Sprintf(" (%d)", c.it.attempts), err}
+	case m.cfg.maxAttempts > 0 && it.attempts() >= m.cfg.maxAttempts:
+		reason = failedDrop{ErrMaxAttempts, fmt.Sprintf(" (%d)", it.attempts()), err}
 	default:
-		m.keys.Failed(c.key, c.it, end)
+		m.keys.Failed(c.key, it, end)
 		return outcome{failed: err, delay: c.key.Delay()}
 	}
 	d := m.dropCall(c, reason)
@@ -236,8 +239,8 @@ func (m *Monitor) settle(c *call, err error, ignored bool, end time.Time) outcom
 func (m *Monitor) report(c *call, err error, end time.Time, out outcome, overran bool) {
 	if mt := m.cfg.metrics; mt != nil {
 		mt.HandlerDone(end.Sub(c.start), err)
-		if err == nil && c.it.attempts > 0 {
-			mt.Recovered(end.Sub(c.it.firstFailure))
+		if err == nil && c.it.failures != nil {
+			mt.Recovered(end.Sub(c.it.failures.first))
 		}
 	}
 	if !overran && out.failed == nil {
@@ -260,21 +263,21 @@ func (m *Monitor) report(c *call, err error, end time.Time, out outcome, overran
 func (m *Monitor) logRetry(c *call) {
 	m.mu.Lock()
 	fields := itemFields(c.key.Name(), c.it)
-	fields["attempt"] = c.it.attempts + 1
+	fields["attempt"] = c.it.attempts() + 1
 	fields["events"], fields["delay"] = c.key.Len()+1, c.key.Delay()
 	m.mu.Unlock()
 	entry := m.cfg.logger.WithFields(fields)
-	if c.it.lastErr != nil {
+	if f := c.it.failures; f != nil {
 		// Not "error": the failure is the one that put the key in backoff.
-		entry = entry.WithField("previous_error", c.it.lastErr.Error())
+		entry = entry.WithField("previous_error", f.last.Error())
 	}
 	entry.Info("retrying backed-off events")
 }
 
 func itemFields(key string, it item) log.Fields {
-	fields := log.Fields{"key": key, "attempt": it.attempts}
-	if it.topic != "" || it.namespace != "" {
-		fields["topic"], fields["namespace"] = it.topic, it.namespace
+	fields := log.Fields{"key": key, "attempt": it.attempts()}
+	if topic, namespace := it.from(); topic != "" || namespace != "" {
+		fields["topic"], fields["namespace"] = topic, namespace
 	}
 	return fields
 }

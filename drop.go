@@ -54,7 +54,7 @@ func (m *Monitor) drop(key string, events []any, reason error) Drop {
 // dropCall drops the event of call c. mu is held.
 func (m *Monitor) dropCall(c *call, reason error) Drop {
 	d := m.drop(c.key.Name(), []any{c.it.event}, reason)
-	d.Topic, d.Namespace = c.it.topic, c.it.namespace
+	d.Topic, d.Namespace = c.it.from()
 	return d
 }
 
@@ -74,14 +74,17 @@ func (m *Monitor) refuse(key string, event any, reason error) Drop {
 func (m *Monitor) dropByOrigin(key string, items []item) []Drop {
 	var drops []Drop
 	for len(items) > 0 {
-		first := items[0]
+		topic, ns := items[0].from()
 		var events []any
-		for len(items) > 0 && items[0].topic == first.topic && items[0].namespace == first.namespace {
+		for len(items) > 0 {
+			if t, n := items[0].from(); t != topic || n != ns {
+				break
+			}
 			events = append(events, items[0].event)
 			items = items[1:]
 		}
 		d := m.drop(key, events, ErrStopped)
-		d.Topic, d.Namespace = first.topic, first.namespace
+		d.Topic, d.Namespace = topic, ns
 		drops = append(drops, d)
 	}
 	return drops

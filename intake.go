@@ -64,7 +64,7 @@ func (m *Monitor) admit(ctx context.Context, env *Envelope, key string, event an
 		for m.state.accepts() && ctx.Err() == nil && m.keys.Queued() >= m.cfg.intakeLimit {
 			m.cond.Wait()
 		}
-		_, err = m.accept(key, item{event: event, topic: env.Topic, namespace: env.Namespace}, false)
+		_, err = m.accept(key, item{event: event, origin: &origin{env.Topic, env.Namespace}}, false)
 	}
 	var d Drop
 	if err != nil {

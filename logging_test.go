@@ -103,8 +103,8 @@ func TestFailingKeyDoesNotFloodTheLog(t *testing.T) {
 	assert.Equal(t, 1000, h.entries(retryLine)[4].Data["events"])
 }
 
-// Events from one stream must each count their own failures: one event's
-// attempts must not show on another's.
+// Events of one origin share what they know of it until they fail: one
+// event's failures must not show on another's count.
 func TestEventsOfOneOriginCountTheirOwnAttempts(t *testing.T) {
 	h := newHarness(t, HandlerFunc(func(_ context.Context, e any) error {
 		if e.(*wrapperspb.StringValue).Value == "ok" {
@@ -158,11 +158,13 @@ type nopFormatter struct{}
 
 func (nopFormatter) Format(*logrus.Entry) ([]byte, error) { return nil, nil }
 
-// No data race on fields read outside the lock: report reads the failed
-// call's event (its attempts, for the log line) after handle dropped mu,
-// while the scheduler may already replay the event on another worker,
-// whose settle counts the next attempt under mu (the logger is user code
-// and may take its time). Run with -race.
+// No data race on fields read outside the lock. report once read
+// c.it.failures.attempts (itemFields) after handle dropped mu, but the
+// *failures is shared with the event's next call: once settle put the
+// event back, the scheduler may replay it on another worker whose settle
+// does it.failures.attempts++ under mu while the first goroutine is still
+// reporting (the logger is user code and may take its time). Run with
+// -race.
 func TestFailureReportDoesNotRaceTheNextAttempt(t *testing.T) {
 	fc := testclock.NewFakeClock(time.Unix(1_000_000, 0))
 	logger := logrus.New()

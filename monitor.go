@@ -67,14 +67,36 @@ type Monitor struct {
 	done      chan struct{} // closed when Stop is done
 }
 
-// item is one accepted event in its key's queue. A call works on its own
-// copy and puts it back on failure, so no two goroutines share one.
+// item is one accepted event in its key's queue; what only some need is
+// behind pointers, as queues hold many.
 type item struct {
-	event            any
-	topic, namespace string    // the envelope's; "" for Submit, Backoff and exits
-	attempts         int       // failed handler calls so far
-	firstFailure     time.Time // zero until the event fails
-	lastErr          error
+	event    any
+	origin   *origin   // nil for Submit, Backoff and WatchExit
+	failures *failures // nil until the event fails
+}
+
+// origin is the envelope an event came from, for its drop and log lines.
+type origin struct{ topic, namespace string }
+
+// from is the topic and namespace of the envelope the event came from.
+func (it item) from() (topic, namespace string) {
+	if it.origin == nil {
+		return "", ""
+	}
+	return it.origin.topic, it.origin.namespace
+}
+
+type failures struct {
+	attempts int // failed handler calls so far
+	first    time.Time
+	last     error
+}
+
+func (it item) attempts() int {
+	if it.failures == nil {
+		return 0
+	}
+	return it.failures.attempts
 }
 
 // New returns a Monitor that hands events to h. It starts no goroutine until

@@ -75,7 +75,7 @@ func (m *Monitor) Pending() []Pending {
 		p := Pending{Key: k.Name(), Due: k.Due()}
 		for i, it := range k.Items() {
 			if i == 0 {
-				p.Attempts = it.attempts
+				p.Attempts = it.attempts()
 			}
 			p.Events = append(p.Events, it.event)
 		}
