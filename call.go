@@ -123,10 +123,9 @@ func (m *Monitor) handle(c *call) (next *call) {
 	if m.abandoned(c) { // last before the handler: nothing may come between
 		return nil // Stop gave up on it before it began, and accounted for it
 	}
-	err := m.invoke(c)
-	ignored := errors.Is(err, ErrUnsupportedEvent) // err is user code: not under mu
-	c.returned.Store(true)                         // no user code is left: Stop waits, not abandons
-	c.cancel(context.Canceled)                     // what the handler started with ctx stops
+	ignored, err := m.invoke(c)
+	c.returned.Store(true)     // no user code is left: Stop waits, not abandons
+	c.cancel(context.Canceled) // what the handler started with ctx stops
 	var end time.Time
 	if err != nil || m.cfg.metrics != nil {
 		end = m.cfg.clock.Now()
@@ -171,22 +170,26 @@ func (m *Monitor) abandoned(c *call) bool {
 	return c.stage == abandoned
 }
 
-// invoke calls the handler, turning a panic into ErrHandlerPanic, and so
-// an error whose Error panics (a typed nil pointer returned as an error):
+// invoke calls the handler and reads its error (ignored: it is
+// ErrUnsupportedEvent), turning a panic into ErrHandlerPanic, and so an
+// error whose Error, Is or Unwrap panics (a typed nil pointer returned as an error):
 // the logger, here or in logrus's JSON formatter, would otherwise call it
 // where no recover waits.
-func (m *Monitor) invoke(c *call) (err error) {
+func (m *Monitor) invoke(c *call) (ignored bool, err error) {
 	defer func() {
 		if r := recover(); r != nil {
-			err = fmt.Errorf("%w: %v", ErrHandlerPanic, r)
+			ignored, err = false, fmt.Errorf("%w: %v", ErrHandlerPanic, r)
 			m.cfg.logger.WithFields(log.Fields{"key": c.key.Name(), "stack": string(debug.Stack())}).
 				WithError(err).Error("event handler panicked")
 		}
 	}()
 	if err = m.handler.HandleEvent(c, c.it.event); err != nil {
 		_ = err.Error()
+		// errors.Is runs the error's Is and Unwrap methods: user code, which
+		// panics for a typed nil *net.OpError (nil-safe Error, not Unwrap).
+		ignored = errors.Is(err, ErrUnsupportedEvent)
 	}
-	return err
+	return ignored, err
 }
 
 // outcome is what a failed call leaves to report once mu is released.

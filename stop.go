@@ -28,15 +28,15 @@ import (
 func (m *Monitor) Stop() { m.stop(context.Background()) }
 
 // stop is Stop, abandoning every call still running once ctx, from
-// waitingOn, ends.
-func (m *Monitor) stop(ctx context.Context) {
+// waitingOn, ends. It returns how many overran calls it abandoned.
+func (m *Monitor) stop(ctx context.Context) (overruns int) {
 	m.mu.Lock()
 	m.beginStop()
 	for len(m.calls) > 0 {
 		if ctx.Err() != nil {
-			m.abandon("still running when Shutdown's ctx ended", inTime, late, overran)
+			overruns += m.abandon("still running when Shutdown's ctx ended", inTime, late, overran)
 		} else {
-			m.abandon("overran its deadline", overran)
+			overruns += m.abandon("overran its deadline", overran)
 		}
 		if len(m.calls) > 0 {
 			m.cond.Wait()
@@ -45,6 +45,7 @@ func (m *Monitor) stop(ctx context.Context) {
 	m.mu.Unlock()
 	m.stopOnce.Do(m.finishStop)
 	<-m.done
+	return overruns
 }
 
 // beginStop ends intake and cancels every call. mu is held.
@@ -65,12 +66,16 @@ func (m *Monitor) beginStop() {
 // abandon gives up, at Stop, on the calls in the given stages whose
 // handler is still running: their events are dropped, saying why, and their
 // goroutines leave unseen if they ever return. A call whose handler
-// returned is waited for: it settles as soon as it has the lock. mu is held.
-func (m *Monitor) abandon(why string, stages ...stage) {
+// returned is waited for: it settles as soon as it has the lock. It
+// returns how many of those it abandoned had overran. mu is held.
+func (m *Monitor) abandon(why string, stages ...stage) (overruns int) {
 	before := len(m.calls)
 	m.calls = slices.DeleteFunc(m.calls, func(c *call) bool {
 		if !slices.Contains(stages, c.stage) || c.returned.Load() {
 			return false
+		}
+		if c.stage == overran {
+			overruns++
 		}
 		c.stage = abandoned
 		m.abandonedDrops = append(m.abandonedDrops,
@@ -80,6 +85,7 @@ func (m *Monitor) abandon(why string, stages ...stage) {
 	if len(m.calls) < before {
 		m.changed() // not otherwise: two Stops waiting would wake each other for ever
 	}
+	return overruns
 }
 
 // finishStop, once no call is left, waits for envelopes being taken, drops
@@ -132,11 +138,10 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	for m.state == draining && ctx.Err() == nil && m.drainable() {
 		m.cond.Wait()
 	}
-	stuck := m.stuck()
 	drained := m.state == draining && m.drained()
 	cut := drainer && m.state == stopped && m.drainCut
 	m.mu.Unlock()
-	m.stop(ctx) // a Stop already waiting does not hold it past ctx
+	stuck := m.stop(ctx) // a Stop already waiting does not hold it past ctx; counted as abandoned, not before
 	switch {
 	case drained:
 		return nil
