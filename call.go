@@ -2,7 +2,6 @@ package eventmonitor
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"runtime/debug"
 	"slices"
@@ -170,11 +169,8 @@ func (m *Monitor) abandoned(c *call) bool {
 	return c.stage == abandoned
 }
 
-// invoke calls the handler and reads its error (ignored: it is
-// ErrUnsupportedEvent), turning a panic into ErrHandlerPanic, and so an
-// error whose Error, Is or Unwrap panics (a typed nil pointer returned as an error):
-// the logger, here or in logrus's JSON formatter, would otherwise call it
-// where no recover waits.
+// invoke calls the handler (ignored: its error is ErrUnsupportedEvent),
+// turning a panic into ErrHandlerPanic, the error's own methods' too.
 func (m *Monitor) invoke(c *call) (ignored bool, err error) {
 	defer func() {
 		if r := recover(); r != nil {
@@ -183,13 +179,8 @@ func (m *Monitor) invoke(c *call) (ignored bool, err error) {
 				WithError(err).Error("event handler panicked")
 		}
 	}()
-	if err = m.handler.HandleEvent(c, c.it.event); err != nil {
-		_ = err.Error()
-		// errors.Is runs the error's Is and Unwrap methods: user code, which
-		// panics for a typed nil *net.OpError (nil-safe Error, not Unwrap).
-		ignored = errors.Is(err, ErrUnsupportedEvent)
-	}
-	return ignored, err
+	err = m.handler.HandleEvent(c, c.it.event)
+	return unsupported(err), err
 }
 
 // outcome is what a failed call leaves to report once mu is released.

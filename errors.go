@@ -2,6 +2,20 @@ package eventmonitor
 
 import "errors"
 
+// unsupported reports whether err, a handler's or a converter's, is
+// ErrUnsupportedEvent, calling its Error too. Both run the error's own
+// methods: user code, which panics for a typed nil pointer returned as an
+// error (in Error for most types, in Unwrap for *net.OpError). The caller
+// runs it under its recover, rather than leave the panic to a log line
+// (logrus's JSON formatter calls Error) where none waits.
+func unsupported(err error) bool {
+	if err == nil {
+		return false
+	}
+	_ = err.Error()
+	return errors.Is(err, ErrUnsupportedEvent)
+}
+
 // Sentinel errors. Every error the monitor returns or puts in a Drop wraps
 // one of these; test with errors.Is.
 var (

@@ -28,14 +28,14 @@ func (m *Monitor) take(ctx context.Context, env *Envelope) {
 		m.changed()
 		m.mu.Unlock()
 	}()
-	key, event, err := m.convert(env)
+	key, event, ignored, err := m.convert(env)
 	switch {
 	case err == errFiltered:
 		m.mu.Lock()
 		m.stats.Received++
 		m.stats.Filtered++
 		m.mu.Unlock()
-	case errors.Is(err, ErrUnsupportedEvent): // the converter's error is user code: not under mu
+	case ignored:
 		m.ignore(env, err)
 	default:
 		m.admit(ctx, env, key, event, err)
@@ -95,23 +95,25 @@ func (m *Monitor) firstIgnored(url string) bool {
 	return true
 }
 
-// convert filters env by namespace and runs the converter, turning a panic
-// (say, in a key function) into ErrInvalidEvent.
-func (m *Monitor) convert(env *Envelope) (key string, event any, err error) {
-	defer panicToErr(&err, "%w: converter panicked: %v", ErrInvalidEvent) // key and event are still zero
+// convert filters env by namespace and runs the converter (ignored: its
+// error is ErrUnsupportedEvent), turning a panic (say, in a key function,
+// or in its error's methods) into ErrInvalidEvent.
+func (m *Monitor) convert(env *Envelope) (key string, event any, ignored bool, err error) {
+	defer panicToErr(&err, "%w: converter panicked: %v", ErrInvalidEvent)
 	switch {
 	case env == nil:
-		return "", nil, fmt.Errorf("%w: nil envelope", ErrInvalidEvent)
+		return "", nil, false, fmt.Errorf("%w: nil envelope", ErrInvalidEvent)
 	case m.cfg.namespace != "" && env.Namespace != m.cfg.namespace:
-		return "", nil, errFiltered
+		return "", nil, false, errFiltered
 	case env.Event == nil:
-		return "", nil, fmt.Errorf("%w: nil payload", ErrInvalidEvent)
+		return "", nil, false, fmt.Errorf("%w: nil payload", ErrInvalidEvent)
 	}
 	key, event, err = m.cfg.converter.Convert(env.Event)
+	ignored = unsupported(err)
 	if err == nil && event == nil {
 		err = fmt.Errorf("%w: converter returned a nil event", ErrInvalidEvent)
 	}
-	return key, event, err
+	return key, event, ignored, err
 }
 
 // panicToErr, deferred, turns a panic into *err, formatted from format, args

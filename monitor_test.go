@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"math/rand/v2"
+	"net"
 	"os"
 	"os/exec"
 	"runtime"
@@ -15,9 +16,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/containerd/typeurl/v2"
 	"github.com/sirupsen/logrus"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/eventmonitor/eventmonitor/internal/keyq"
 )
@@ -475,47 +478,67 @@ type nilPtrErr struct{ msg string }
 func (e *nilPtrErr) Error() string { return e.msg }
 
 // Promise (README: a handler panic is "recovered, logged with its stack,
-// backed off", not "kills the process" as in containerd): a handler's
-// misbehaviour cannot take the process down. Returning a typed nil pointer
-// as an error is Go's best-known nil trap; the event fails and backs off.
-// Before the fix the process died: with logrus's text formatter at the
-// replay, whose log line called the stored error's Error method; with its
-// JSON formatter (containerd's --log-format json) at the first failure,
-// whose log line hands the error to logrus, which calls Error too. Neither
-// was under a recover. The handler's call now counts as a panic. The scenario runs in a child process so that the crash fails
-// this test rather than the test binary.
+// backed off", not "kills the process" as in containerd): an error cannot
+// take the process down. Returning a typed nil pointer as an error is Go's
+// best-known nil trap, and the error's methods are user code: *nilPtrErr
+// panics in Error, *net.OpError in Unwrap (errors.Is calls it). Before the
+// fix the process died: at the handler's replay (its log line called
+// Error), at its first failure with logrus's JSON formatter (which calls
+// Error), in handle's errors.Is for *net.OpError, and in the stream reader
+// for a converter's such error. Now the handler's call counts as a panic
+// and backs off; the converter's envelope is dropped. Each scenario runs
+// in a child process so that a crash fails this test, not the test binary.
 func TestTypedNilErrorDoesNotCrash(t *testing.T) {
-	if format := os.Getenv("EVENTMONITOR_TYPED_NIL_CHILD"); format != "" {
-		typedNilErrorScenario(t, format)
+	if scenario := os.Getenv("EVENTMONITOR_TYPED_NIL_CHILD"); scenario != "" {
+		typedNilErrorScenario(t, scenario)
 		return
 	}
-	for _, format := range []string{"text", "json"} {
+	for _, scenario := range []string{"text", "json", "unwrap", "converter"} {
 		cmd := exec.Command(os.Args[0], "-test.run=^TestTypedNilErrorDoesNotCrash$", "-test.count=1")
-		cmd.Env = append(os.Environ(), "EVENTMONITOR_TYPED_NIL_CHILD="+format)
+		cmd.Env = append(os.Environ(), "EVENTMONITOR_TYPED_NIL_CHILD="+scenario)
 		out, err := cmd.CombinedOutput()
 		if len(out) > 3000 {
 			out = out[:3000]
 		}
-		assert.NoError(t, err, "with the %s formatter, the process running the monitor died:\n%s", format, out)
+		assert.NoError(t, err, "scenario %s: the process running the monitor died:\n%s", scenario, out)
 	}
 }
 
-func typedNilErrorScenario(t *testing.T, format string) {
+func typedNilErrorScenario(t *testing.T, scenario string) {
 	logger := logrus.New()
 	logger.Out = io.Discard
-	if format == "json" {
+	if scenario != "text" {
 		logger.Formatter = &logrus.JSONFormatter{}
+	}
+	if scenario == "converter" {
+		conv := ConverterFunc(func(typeurl.Any) (string, any, error) {
+			var err *net.OpError
+			return "", nil, err
+		})
+		h := newHarness(t, newRecorder(), WithConverter(conv), WithLogger(logrus.NewEntry(logger)))
+		stream := newFakeStream()
+		h.m.Subscribe(stream)
+		h.m.Start()
+		(<-stream.newSub).send(t, envelope(t, "ns", wrapperspb.String("x")))
+		waitFor(t, func() bool { return len(h.drops.all()) == 1 }, "the envelope is dropped")
+		require.ErrorIs(t, h.drops.all()[0].Reason, ErrInvalidEvent)
+		return
 	}
 	var calls atomic.Int32
 	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
-		if calls.Add(1) == 1 {
-			var err *nilPtrErr
-			return err // a non-nil error holding a nil pointer
+		if calls.Add(1) > 1 {
+			return nil
 		}
-		return nil
+		if scenario == "unwrap" {
+			var err *net.OpError
+			return err // Error is "<nil>"; Unwrap panics
+		}
+		var err *nilPtrErr
+		return err // Error panics
 	}), WithLogger(logrus.NewEntry(logger)))
 	h.submit(t, ev{"a", 1})
 	h.step(t, DefaultInitialBackoff) // the replay
 	require.Equal(t, int32(2), calls.Load())
-	require.Equal(t, uint64(1), h.m.Stats().Handled)
+	s := h.m.Stats()
+	require.Equal(t, [2]uint64{1, 1}, [2]uint64{s.Failed, s.Handled}, "%+v", s)
 }

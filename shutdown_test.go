@@ -3,6 +3,7 @@ package eventmonitor
 import (
 	"context"
 	"errors"
+	"runtime"
 	"sync"
 	"testing"
 	"time"
@@ -162,4 +163,41 @@ func TestShutdownDrainsABackoffGivenDuringAReplay(t *testing.T) {
 	}
 	require.Equal(t, anys(ev{"a", 1}, ev{"a", 2}), r.handledList())
 	require.Empty(t, h.drops.all())
+}
+
+// Promise (Shutdown's doc): Shutdown "stops, abandoning them [overrunning
+// calls], and returns an error wrapping ErrStopped" that says how many it
+// abandoned. Before the fix the count was taken before stop, whose
+// abandon looks again: a stuck call whose handler returned in between is
+// waited for and settles Handled, and Shutdown reported "abandoned 1
+// handler calls" while it abandoned none and dropped nothing. A race: each
+// round releases the stuck handler as Shutdown decides; the test fails if
+// any round's error claims a drop that did not happen.
+func TestShutdownCountsOnlyTheCallsItAbandons(t *testing.T) {
+	for round := 0; round < 300; round++ {
+		release := make(chan struct{})
+		started := make(chan struct{}, 1)
+		h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+			started <- struct{}{}
+			<-release
+			return nil
+		}), WithLogger(quietLogger()), WithWorkers(1))
+		h.submit(t, ev{"a", 1})
+		<-started
+		h.clock.Step(DefaultHandleTimeout + time.Second) // past the deadline and the grace
+		waitFor(t, func() bool { return h.m.Stats().Overrunning == 1 }, "the call never overran")
+		spin := round % 50
+		go func() {
+			for i := 0; i < spin*20; i++ {
+				runtime.Gosched()
+			}
+			close(release)
+		}()
+		err := h.m.Shutdown(context.Background())
+		s := h.m.Stats()
+		if err != nil && s.Dropped == 0 {
+			t.Fatalf("round %d: Shutdown said %q but dropped nothing: %+v", round, err, s)
+		}
+		h.m.Stop()
+	}
 }

@@ -141,14 +141,16 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	drained := m.state == draining && m.drained()
 	cut := drainer && m.state == stopped && m.drainCut
 	m.mu.Unlock()
-	stuck := m.stop(ctx) // a Stop already waiting does not hold it past ctx; counted as abandoned, not before
+	// A Stop already waiting does not hold it past ctx. Only stop knows
+	// what it abandoned: a stuck call may return until then.
+	gaveUp := m.stop(ctx)
 	switch {
 	case drained:
 		return nil
 	case ctx.Err() != nil:
 		return fmt.Errorf("eventmonitor: shutdown: %w", ctx.Err())
-	case stuck > 0:
-		return fmt.Errorf("%w: shutdown abandoned %d handler calls that overran their timeout", ErrStopped, stuck)
+	case gaveUp > 0:
+		return fmt.Errorf("%w: shutdown abandoned %d handler calls that overran their timeout", ErrStopped, gaveUp)
 	case cut:
 		return fmt.Errorf("%w: Stop began before the shutdown's drain was done", ErrStopped)
 	}
