@@ -2,6 +2,7 @@ package eventmonitor
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"runtime/debug"
 	"slices"
@@ -170,7 +171,7 @@ func (m *Monitor) abandoned(c *call) bool {
 }
 
 // invoke calls the handler (ignored: its error is ErrUnsupportedEvent),
-// turning a panic into ErrHandlerPanic, the error's own methods' too.
+// turning a panic into ErrHandlerPanic, one in errors.Is too.
 func (m *Monitor) invoke(c *call) (ignored bool, err error) {
 	defer func() {
 		if r := recover(); r != nil {
@@ -179,8 +180,8 @@ func (m *Monitor) invoke(c *call) (ignored bool, err error) {
 				WithError(err).Error("event handler panicked")
 		}
 	}()
-	err = m.handler.HandleEvent(c, c.it.event)
-	return unsupported(err), err
+	err = checked(m.handler.HandleEvent(c, c.it.event))
+	return errors.Is(err, ErrUnsupportedEvent), err
 }
 
 // outcome is what a failed call leaves to report once mu is released.

@@ -1,19 +1,25 @@
 package eventmonitor
 
-import "errors"
+import (
+	"errors"
+	"fmt"
+)
 
-// unsupported reports whether err, a handler's or a converter's, is
-// ErrUnsupportedEvent, calling its Error too. Both run the error's own
-// methods: user code, which panics for a typed nil pointer returned as an
-// error (in Error for most types, in Unwrap for *net.OpError). The caller
-// runs it under its recover, rather than leave the panic to a log line
-// (logrus's JSON formatter calls Error) where none waits.
-func unsupported(err error) bool {
-	if err == nil {
-		return false
+// checked is err, from user code (a handler, converter, subscriber, hook
+// or exit status), or if its Error panics (a typed nil pointer returned as
+// an error) an error saying so: the logger calls Error where no recover
+// waits. errors.Is runs the error's own methods too (*net.OpError's Unwrap
+// panics on nil): callers run it under a recover.
+func checked(err error) (safe error) {
+	defer func() {
+		if r := recover(); r != nil {
+			safe = fmt.Errorf("a %T whose Error panics: %v", err, r)
+		}
+	}()
+	if err != nil {
+		_ = err.Error()
 	}
-	_ = err.Error()
-	return errors.Is(err, ErrUnsupportedEvent)
+	return err
 }
 
 // Sentinel errors. Every error the monitor returns or puts in a Drop wraps

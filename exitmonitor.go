@@ -100,7 +100,7 @@ func (m *Monitor) exitResult(key string, s ExitStatus, received bool) (code uint
 		return UnknownExitCode, m.cfg.clock.Now(), ErrNoExitStatus
 	}
 	defer func() { // runs after panicToErr, so sees a panic's error too
-		if err != nil {
+		if err = checked(err); err != nil {
 			m.cfg.logger.WithField("key", key).WithError(err).Warn("cannot read exit status; exit code unknown")
 			code, at = UnknownExitCode, m.cfg.clock.Now()
 		}

@@ -97,7 +97,7 @@ func (m *Monitor) firstIgnored(url string) bool {
 
 // convert filters env by namespace and runs the converter (ignored: its
 // error is ErrUnsupportedEvent), turning a panic (say, in a key function,
-// or in its error's methods) into ErrInvalidEvent.
+// or in errors.Is) into ErrInvalidEvent.
 func (m *Monitor) convert(env *Envelope) (key string, event any, ignored bool, err error) {
 	defer panicToErr(&err, "%w: converter panicked: %v", ErrInvalidEvent)
 	switch {
@@ -109,7 +109,8 @@ func (m *Monitor) convert(env *Envelope) (key string, event any, ignored bool, e
 		return "", nil, false, fmt.Errorf("%w: nil payload", ErrInvalidEvent)
 	}
 	key, event, err = m.cfg.converter.Convert(env.Event)
-	ignored = unsupported(err)
+	err = checked(err)
+	ignored = errors.Is(err, ErrUnsupportedEvent)
 	if err == nil && event == nil {
 		err = fmt.Errorf("%w: converter returned a nil event", ErrInvalidEvent)
 	}

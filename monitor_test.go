@@ -484,16 +484,17 @@ func (e *nilPtrErr) Error() string { return e.msg }
 // panics in Error, *net.OpError in Unwrap (errors.Is calls it). Before the
 // fix the process died: at the handler's replay (its log line called
 // Error), at its first failure with logrus's JSON formatter (which calls
-// Error), in handle's errors.Is for *net.OpError, and in the stream reader
-// for a converter's such error. Now the handler's call counts as a panic
-// and backs off; the converter's envelope is dropped. Each scenario runs
+// Error), in handle's errors.Is for *net.OpError, in the stream reader for
+// a converter's such error, and in an exit watcher logging its status's.
+// Now the handler's event fails and backs off, the converter's envelope is
+// dropped and the exit is handled with UnknownExitCode. Each scenario runs
 // in a child process so that a crash fails this test, not the test binary.
 func TestTypedNilErrorDoesNotCrash(t *testing.T) {
 	if scenario := os.Getenv("EVENTMONITOR_TYPED_NIL_CHILD"); scenario != "" {
 		typedNilErrorScenario(t, scenario)
 		return
 	}
-	for _, scenario := range []string{"text", "json", "unwrap", "converter"} {
+	for _, scenario := range []string{"text", "json", "unwrap", "converter", "exit"} {
 		cmd := exec.Command(os.Args[0], "-test.run=^TestTypedNilErrorDoesNotCrash$", "-test.count=1")
 		cmd.Env = append(os.Environ(), "EVENTMONITOR_TYPED_NIL_CHILD="+scenario)
 		out, err := cmd.CombinedOutput()
@@ -509,6 +510,16 @@ func typedNilErrorScenario(t *testing.T, scenario string) {
 	logger.Out = io.Discard
 	if scenario != "text" {
 		logger.Formatter = &logrus.JSONFormatter{}
+	}
+	if scenario == "exit" {
+		r := newRecorder()
+		h := newHarness(t, r, WithLogger(logrus.NewEntry(logger)))
+		exits := make(chan fakeExit, 1)
+		exits <- fakeExit{err: (*nilPtrErr)(nil)}
+		<-WatchExit(context.Background(), h.m, "a", exits, func(code uint32, _ time.Time) any { return ev{"a", int(code)} })
+		h.settled(t)
+		require.Equal(t, uint64(1), h.m.Stats().Handled)
+		return
 	}
 	if scenario == "converter" {
 		conv := ConverterFunc(func(typeurl.Any) (string, any, error) {
@@ -541,4 +552,18 @@ func typedNilErrorScenario(t *testing.T, scenario string) {
 	require.Equal(t, int32(2), calls.Load())
 	s := h.m.Stats()
 	require.Equal(t, [2]uint64{1, 1}, [2]uint64{s.Failed, s.Handled}, "%+v", s)
+}
+
+// checked, which guards every error from user code before it is logged
+// (the stream's, the resync hook's, an exit status's too), passes errors
+// through as they are and replaces one whose Error panics.
+func TestCheckedReplacesOnlyAnErrorWhoseErrorPanics(t *testing.T) {
+	require.NoError(t, checked(nil))
+	plain := errors.New("plain")
+	require.Same(t, plain, checked(plain))
+	var opErr *net.OpError // Error is "<nil>": kept
+	require.Equal(t, error(opErr), checked(opErr))
+	safe := checked((*nilPtrErr)(nil))
+	require.NotPanics(t, func() { _ = safe.Error() })
+	require.Contains(t, safe.Error(), "*eventmonitor.nilPtrErr whose Error panics")
 }

@@ -213,7 +213,7 @@ func (m *Monitor) runOnce(ctx context.Context, s Subscriber, filters []string, r
 			resyncs.Add(1)
 			go func() {
 				defer resyncs.Done()
-				if err := hook(subCtx); err != nil && subCtx.Err() == nil {
+				if err := checked(hook(subCtx)); err != nil && subCtx.Err() == nil {
 					m.cfg.logger.WithError(err).Warn("resync after re-subscription failed")
 				}
 			}()
@@ -252,14 +252,14 @@ func (m *Monitor) consume(ctx context.Context, sub *subscription, established fu
 			establish()
 		case env, ok := <-sub.ch:
 			if !ok {
-				return delivered, sub.closedErr()
+				return delivered, checked(sub.closedErr())
 			}
 			delivered = true
 			establish()
 			m.take(ctx, env)
 		case err, ok := <-sub.errs:
 			if !ok || err != nil {
-				return delivered, err
+				return delivered, checked(err)
 			}
 		}
 	}
