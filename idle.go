@@ -1,0 +1,79 @@
+package eventmonitor
+
+import (
+	"context"
+	"time"
+)
+
+// Waiting on the monitor: WaitIdle for tests (see package
+// eventmonitortest), and how every waiter on cond follows its caller's ctx.
+
+// NextRetry returns when the next backoff replay is due, and false if no
+// key is waiting in backoff.
+func (m *Monitor) NextRetry() (time.Time, bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if k := m.keys.Earliest(); k != nil {
+		return k.Due(), true
+	}
+	return time.Time{}, false
+}
+
+// WaitIdle waits until the monitor has done all it can: no call running or
+// being settled, no key waiting for a worker, no envelope being accepted,
+// no replay due at the clock's now, and a timer set no later than the next
+// retry (none if no key waits, so a fake clock's HasWaiters tells the truth).
+// Keys waiting for a later retry remain (see NextRetry). It returns ctx's
+// error if ctx ends first, ErrStopped if Stop began while work was left. A
+// held monitor (WithDeferredStart) is idle with its events queued, and
+// times no retry; an overrunning call keeps it busy until it returns.
+//
+// It is the sync point of fake-clock tests: Submit, WaitIdle, step the
+// clock to NextRetry, WaitIdle again (see package eventmonitortest). An
+// envelope may be taken off its channel an instant before the reader notes
+// it: stream tests also wait for Stats().Received (or use testing/synctest).
+func (m *Monitor) WaitIdle(ctx context.Context) error {
+	ctx, done := m.waitingOn(ctx)
+	defer done()
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for !m.idle() {
+		switch {
+		case m.state == stopped:
+			return ErrStopped
+		case ctx.Err() != nil:
+			return ctx.Err()
+		}
+		if m.sched.overdue(m.cfg.clock.Now()) {
+			m.poke()
+		}
+		m.cond.Wait()
+	}
+	return nil
+}
+
+// idle reports what WaitIdle waits for. The timer is never later than
+// what it times, so one not overdue leaves no replay due. mu is held.
+func (m *Monitor) idle() bool {
+	if len(m.calls) > 0 || m.stream.accepting > 0 || m.state != held && m.keys.HasReady() {
+		return false
+	}
+	return !m.sched.overdue(m.cfg.clock.Now())
+}
+
+// waitingOn derives from a caller's ctx one that a waiter on cond may read
+// under mu, its Err being the standard library's (the caller's may be any
+// code), and that wakes the waiters when it ends. Call done when the wait
+// is over.
+func (m *Monitor) waitingOn(ctx context.Context) (_ context.Context, done func()) {
+	ctx, cancel := context.WithCancel(ctx)
+	stopWaking := context.AfterFunc(ctx, m.wakeWaiters)
+	return ctx, func() { stopWaking(); cancel() }
+}
+
+// wakeWaiters wakes all on cond, for a waiter whose ctx ended.
+func (m *Monitor) wakeWaiters() {
+	m.mu.Lock()
+	m.cond.Broadcast()
+	m.mu.Unlock()
+}

@@ -1,0 +1,67 @@
+package eventmonitor
+
+import (
+	"time"
+
+	"github.com/containerd/log"
+)
+
+// What a settled call tells the world, without the lock: its duration and
+// outcome to the metrics, its failure, overrun or retry to the log, its
+// drop to the drop handler.
+
+// outcome is what a failed call leaves to report once mu is released.
+type outcome struct {
+	failed error         // the handler's error; nil if the event did not fail
+	delay  time.Duration // the backoff the event now waits
+	drop   *Drop         // set when the monitor gave up on the event
+}
+
+// report gives a settled call's duration to the metrics, logs its overrun
+// or failure and hands its drop over. A failing key calls once per delay:
+// it cannot flood the log.
+func (m *Monitor) report(c *call, err error, end time.Time, out outcome, overran bool) {
+	if mt := m.cfg.metrics; mt != nil {
+		mt.HandlerDone(end.Sub(c.start), err)
+		if err == nil && c.it.failures != nil {
+			mt.Recovered(end.Sub(c.it.failures.first))
+		}
+	}
+	if !overran && out.failed == nil {
+		return
+	}
+	entry := m.cfg.logger.WithFields(itemFields(c.key.Name(), c.it))
+	if overran {
+		entry.WithField("ran", m.cfg.clock.Since(c.start)).Warn("event handler returned after its deadline")
+	}
+	switch {
+	case out.drop != nil:
+		entry.WithError(out.failed).Warn("giving up on event")
+		m.emit(*out.drop)
+	case out.failed != nil:
+		entry.WithError(out.failed).WithField("delay", out.delay).Error("event handling failed; backing off")
+	}
+}
+
+// logRetry logs a replay's start before its first call's outcome.
+func (m *Monitor) logRetry(c *call) {
+	m.mu.Lock()
+	fields := itemFields(c.key.Name(), c.it)
+	fields["attempt"] = c.it.attempts() + 1
+	fields["events"], fields["delay"] = c.key.Len()+1, c.key.Delay()
+	m.mu.Unlock()
+	entry := m.cfg.logger.WithFields(fields)
+	if f := c.it.failures; f != nil {
+		// Not "error": the failure is the one that put the key in backoff.
+		entry = entry.WithField("previous_error", f.last.Error())
+	}
+	entry.Info("retrying backed-off events")
+}
+
+func itemFields(key string, it item) log.Fields {
+	fields := log.Fields{"key": key, "attempt": it.attempts()}
+	if topic, namespace := it.from(); topic != "" || namespace != "" {
+		fields["topic"], fields["namespace"] = topic, namespace
+	}
+	return fields
+}
