@@ -379,19 +379,7 @@ func TestShutdownDoesNotAbandonAReturnedCall(t *testing.T) {
 
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	done := make(chan error, 1)
-	go func() { done <- m.Shutdown(ctx) }()
-	// Stop begun: whatever it abandons, it has abandoned (under the lock, at once).
-	waitFor(t, stateIs(m, stopped), "Shutdown never stopped")
-	close(clk.release)
-	select {
-	case <-done:
-	case <-time.After(10 * time.Second):
-		t.Fatal("Shutdown did not return once the call settled")
-	}
-	require.Empty(t, drops.all(), "an event its handler handled was dropped")
-	s := m.Stats()
-	require.Equal(t, uint64(1), s.Handled, "%+v", s)
+	stopSettlesTheReturnedCall(t, m, clk, drops, func() { _ = m.Shutdown(ctx) })
 }
 
 // Promise (Stop's doc and README "Stopping"): Stop abandons "a call still
@@ -410,14 +398,23 @@ func TestStopDoesNotAbandonAReturnedCallAsOverrun(t *testing.T) {
 		defer m.mu.Unlock()
 		return m.sched.at.IsZero()
 	}, "the scheduler never looked at the call")
+	stopSettlesTheReturnedCall(t, m, clk, drops, m.Stop)
+}
+
+// stopSettlesTheReturnedCall runs stop (Stop or Shutdown) on the monitor
+// of returnedCallMonitor and, once it began (whatever it abandons, it
+// abandons at once, under the lock), lets the worker settle: stop must
+// then return with the event handled, not dropped.
+func stopSettlesTheReturnedCall(t *testing.T, m *Monitor, clk *gatedClock, drops *dropLog, stop func()) {
+	t.Helper()
 	done := make(chan struct{})
-	go func() { m.Stop(); close(done) }()
-	waitFor(t, stateIs(m, stopped), "Stop never began")
+	go func() { stop(); close(done) }()
+	waitFor(t, stateIs(m, stopped), "the stop never began")
 	close(clk.release)
 	select {
 	case <-done:
 	case <-time.After(10 * time.Second):
-		t.Fatal("Stop did not return once the call settled")
+		t.Fatal("the stop did not return once the call settled")
 	}
 	require.Empty(t, drops.all(), "an event its handler handled was dropped")
 	s := m.Stats()
