@@ -175,7 +175,7 @@ func (m *Monitor) abandoned(c *call) bool {
 func (m *Monitor) invoke(c *call) (ignored bool, err error) {
 	defer func() {
 		if r := recover(); r != nil {
-			ignored, err = false, fmt.Errorf("%w: %v", ErrHandlerPanic, r)
+			ignored, err = false, fmt.Errorf("%w: %s", ErrHandlerPanic, panicked(r))
 			m.cfg.logger.WithFields(log.Fields{"key": c.key.Name(), "stack": string(debug.Stack())}).
 				WithError(err).Error("event handler panicked")
 		}

@@ -98,7 +98,7 @@ func (m *Monitor) emit(d Drop) {
 	}
 	defer func() {
 		if r := recover(); r != nil {
-			m.cfg.logger.WithField("key", d.Key).Errorf("drop handler panicked: %v", r)
+			m.cfg.logger.WithField("key", d.Key).Errorf("drop handler panicked: %s", panicked(r))
 		}
 	}()
 	m.cfg.onDrop(d)

@@ -13,13 +13,25 @@ import (
 func checked(err error) (safe error) {
 	defer func() {
 		if r := recover(); r != nil {
-			safe = fmt.Errorf("a %T whose Error panics: %v", err, r)
+			safe = fmt.Errorf("a %T whose Error panics: %s", err, panicked(r))
 		}
 	}()
 	if err != nil {
 		_ = err.Error()
 	}
 	return err
+}
+
+// panicked formats r, a recovered panic's value. The value is user code
+// too: one whose Error panics again would make fmt panic where no recover
+// waits.
+func panicked(r any) (s string) {
+	defer func() {
+		if recover() != nil {
+			s = fmt.Sprintf("a %T whose Error panics", r)
+		}
+	}()
+	return fmt.Sprint(r)
 }
 
 // Sentinel errors. Every error the monitor returns or puts in a Drop wraps

@@ -121,6 +121,6 @@ func (m *Monitor) convert(env *Envelope) (key string, event any, ignored bool, e
 // and the panic's value.
 func panicToErr(err *error, format string, args ...any) {
 	if r := recover(); r != nil {
-		*err = fmt.Errorf(format, append(args, r)...)
+		*err = fmt.Errorf(format, append(args, panicked(r))...)
 	}
 }

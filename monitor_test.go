@@ -477,26 +477,39 @@ type nilPtrErr struct{ msg string }
 
 func (e *nilPtrErr) Error() string { return e.msg }
 
+// bomb is an error whose Error panics with a bomb: fmt, printing the
+// recovered value, panics again.
+type bomb struct{}
+
+func (bomb) Error() string { panic(bomb{}) }
+
+type bombStatus struct{}
+
+func (bombStatus) Result() (uint32, time.Time, error) { return 0, time.Time{}, bomb{} }
+
 // Promise (README: a handler panic is "recovered, logged with its stack,
 // backed off", not "kills the process" as in containerd): an error cannot
 // take the process down. Returning a typed nil pointer as an error is Go's
 // best-known nil trap, and the error's methods are user code: *nilPtrErr
-// panics in Error, *net.OpError in Unwrap (errors.Is calls it). Before the
-// fix the process died: at the handler's replay (its log line called
-// Error), at its first failure with logrus's JSON formatter (which calls
-// Error), in handle's errors.Is for *net.OpError, in the stream reader for
-// a converter's such error, and in an exit watcher logging its status's.
-// Now the handler's event fails and backs off, the converter's envelope is
-// dropped and the exit is handled with UnknownExitCode. Each scenario runs
-// in a child process so that a crash fails this test, not the test binary.
-func TestTypedNilErrorDoesNotCrash(t *testing.T) {
-	if scenario := os.Getenv("EVENTMONITOR_TYPED_NIL_CHILD"); scenario != "" {
-		typedNilErrorScenario(t, scenario)
+// panics in Error, *net.OpError in Unwrap (errors.Is calls it), a bomb in
+// Error and again when the panic's value is printed. Before the fixes the
+// process died: at the handler's replay (its log line called Error), at
+// its first failure with logrus's JSON formatter (which calls Error), in
+// handle's errors.Is for *net.OpError, in the stream reader for a
+// converter's such error, in an exit watcher logging its status's, and,
+// for a bomb, wherever a recover printed it. Now the handler's event fails
+// and backs off, the converter's envelope is dropped, the stream's error
+// is reported and the exit is handled with UnknownExitCode. Each scenario
+// runs in a child process so that a crash fails this test, not the test
+// binary.
+func TestErrorsWhoseMethodsPanicDoNotCrash(t *testing.T) {
+	if scenario := os.Getenv("EVENTMONITOR_PANICKING_ERROR_CHILD"); scenario != "" {
+		panickingErrorScenario(t, scenario)
 		return
 	}
-	for _, scenario := range []string{"text", "json", "unwrap", "converter", "exit"} {
-		cmd := exec.Command(os.Args[0], "-test.run=^TestTypedNilErrorDoesNotCrash$", "-test.count=1")
-		cmd.Env = append(os.Environ(), "EVENTMONITOR_TYPED_NIL_CHILD="+scenario)
+	for _, scenario := range []string{"text", "json", "unwrap", "converter", "exit", "bomb", "bomb-stream", "bomb-exit"} {
+		cmd := exec.Command(os.Args[0], "-test.run=^TestErrorsWhoseMethodsPanicDoNotCrash$", "-test.count=1")
+		cmd.Env = append(os.Environ(), "EVENTMONITOR_PANICKING_ERROR_CHILD="+scenario)
 		out, err := cmd.CombinedOutput()
 		if len(out) > 3000 {
 			out = out[:3000]
@@ -505,28 +518,35 @@ func TestTypedNilErrorDoesNotCrash(t *testing.T) {
 	}
 }
 
-func typedNilErrorScenario(t *testing.T, scenario string) {
+func panickingErrorScenario(t *testing.T, scenario string) {
 	logger := logrus.New()
 	logger.Out = io.Discard
 	if scenario != "text" {
 		logger.Formatter = &logrus.JSONFormatter{}
 	}
-	if scenario == "exit" {
-		r := newRecorder()
-		h := newHarness(t, r, WithLogger(logrus.NewEntry(logger)))
-		exits := make(chan fakeExit, 1)
-		exits <- fakeExit{err: (*nilPtrErr)(nil)}
-		<-WatchExit(context.Background(), h.m, "a", exits, func(code uint32, _ time.Time) any { return ev{"a", int(code)} })
+	opts := []Option{WithLogger(logrus.NewEntry(logger))}
+	switch scenario {
+	case "exit", "bomb-exit":
+		h := newHarness(t, newRecorder(), opts...)
+		build := func(code uint32, _ time.Time) any { return ev{"a", int(code)} }
+		if scenario == "exit" {
+			exits := make(chan fakeExit, 1)
+			exits <- fakeExit{err: (*nilPtrErr)(nil)}
+			<-WatchExit(context.Background(), h.m, "a", exits, build)
+		} else {
+			exits := make(chan bombStatus, 1)
+			exits <- bombStatus{}
+			<-WatchExit(context.Background(), h.m, "a", exits, build)
+		}
 		h.settled(t)
 		require.Equal(t, uint64(1), h.m.Stats().Handled)
 		return
-	}
-	if scenario == "converter" {
+	case "converter":
 		conv := ConverterFunc(func(typeurl.Any) (string, any, error) {
 			var err *net.OpError
 			return "", nil, err
 		})
-		h := newHarness(t, newRecorder(), WithConverter(conv), WithLogger(logrus.NewEntry(logger)))
+		h := newHarness(t, newRecorder(), append(opts, WithConverter(conv))...)
 		stream := newFakeStream()
 		h.m.Subscribe(stream)
 		h.m.Start()
@@ -534,19 +554,31 @@ func typedNilErrorScenario(t *testing.T, scenario string) {
 		waitFor(t, func() bool { return len(h.drops.all()) == 1 }, "the envelope is dropped")
 		require.ErrorIs(t, h.drops.all()[0].Reason, ErrInvalidEvent)
 		return
+	case "bomb-stream":
+		h := newHarness(t, newRecorder(), append(opts, WithConverter(testConverter))...)
+		errs := make(chan error, 1)
+		errs <- bomb{}
+		h.m.Subscribe(SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) {
+			return make(chan *Envelope), errs
+		}))
+		require.Error(t, <-h.m.Start(), "Start's reader reports the stream's error")
+		return
 	}
 	var calls atomic.Int32
 	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
 		if calls.Add(1) > 1 {
 			return nil
 		}
-		if scenario == "unwrap" {
+		switch scenario {
+		case "unwrap":
 			var err *net.OpError
 			return err // Error is "<nil>"; Unwrap panics
+		case "bomb":
+			return bomb{}
 		}
 		var err *nilPtrErr
 		return err // Error panics
-	}), WithLogger(logrus.NewEntry(logger)))
+	}), opts...)
 	h.submit(t, ev{"a", 1})
 	h.step(t, DefaultInitialBackoff) // the replay
 	require.Equal(t, int32(2), calls.Load())

@@ -201,3 +201,48 @@ func TestShutdownCountsOnlyTheCallsItAbandons(t *testing.T) {
 		h.m.Stop()
 	}
 }
+
+// Promise (Shutdown's doc): overrunning calls do not hold Shutdown up: "it
+// stops, abandoning them, and returns an error wrapping ErrStopped, as it
+// does when a Stop begins before the drain is done". A Stop that takes
+// the lock between Shutdown's decision (not drained, not cut) and
+// Shutdown's stop abandons the stuck call itself: Shutdown's stop abandons
+// none, and Shutdown returned nil (a regression of the fix counting only
+// what its own stop abandoned) although an event was dropped.
+//
+// Each round: one stuck (overran) call; Shutdown begins; as soon as the
+// state reads draining (set and decided in the same critical section, so
+// Shutdown is then between its decision and its stop), Stop is called.
+func TestShutdownReportsAStuckCallAConcurrentStopAbandoned(t *testing.T) {
+	for round := 0; round < 1000; round++ {
+		release := make(chan struct{})
+		started := make(chan struct{}, 1)
+		h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+			started <- struct{}{}
+			<-release
+			return nil
+		}), WithLogger(quietLogger()), WithWorkers(1))
+		h.submit(t, ev{"a", 1})
+		<-started
+		h.clock.Step(DefaultHandleTimeout + time.Second) // past the deadline and the grace
+		waitFor(t, func() bool { return h.m.Stats().Overrunning == 1 }, "the call never overran")
+
+		stopDone := make(chan struct{})
+		go func() {
+			defer close(stopDone)
+			for !stateIs(h.m, draining)() && !stateIs(h.m, stopped)() {
+				runtime.Gosched()
+			}
+			h.m.Stop()
+		}()
+		err := h.m.Shutdown(context.Background())
+		<-stopDone
+		close(release)
+		s := h.m.Stats()
+		require.Equal(t, uint64(1), s.Dropped, "round %d: %+v", round, s)
+		if err == nil {
+			t.Fatalf("round %d: Shutdown began a drain, a stuck call was abandoned and its event dropped, "+
+				"yet Shutdown returned nil: %+v", round, s)
+		}
+	}
+}

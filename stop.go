@@ -122,7 +122,8 @@ func (m *Monitor) finishStop() {
 // failing meanwhile, or still waiting at the stop, is dropped with
 // ErrStopped. Overrunning calls do not hold it up: once nothing else can
 // move, it stops, abandoning them, and returns an error wrapping
-// ErrStopped, as it does when a Stop begins before the drain is done. If
+// ErrStopped, as it does whenever it stopped with events left (a Stop
+// began before the drain was done, say). If
 // ctx ends first it stops at once, abandoning every call in progress (a
 // returned call's report is still waited for), and returns ctx's error.
 func (m *Monitor) Shutdown(ctx context.Context) error {
@@ -140,10 +141,15 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	}
 	drained := m.state == draining && m.drained()
 	cut := drainer && m.state == stopped && m.drainCut
+	dropped := m.stats.Dropped
 	m.mu.Unlock()
 	// A Stop already waiting does not hold it past ctx. Only stop knows
-	// what it abandoned: a stuck call may return until then.
+	// what it abandoned: a stuck call may return until then, or a Stop
+	// begun meanwhile abandon it first.
 	gaveUp := m.stop(ctx)
+	m.mu.Lock()
+	cut = cut || drainer && !drained && m.stats.Dropped > dropped
+	m.mu.Unlock()
 	switch {
 	case drained:
 		return nil
@@ -152,7 +158,7 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	case gaveUp > 0:
 		return fmt.Errorf("%w: shutdown abandoned %d handler calls that overran their timeout", ErrStopped, gaveUp)
 	case cut:
-		return fmt.Errorf("%w: Stop began before the shutdown's drain was done", ErrStopped)
+		return fmt.Errorf("%w: shutdown stopped before its drain was done (a Stop began, or a stuck call returned too late)", ErrStopped)
 	}
 	return nil
 }
