@@ -175,17 +175,7 @@ func TestShutdownDrainsABackoffGivenDuringAReplay(t *testing.T) {
 // any round's error claims a drop that did not happen.
 func TestShutdownCountsOnlyTheCallsItAbandons(t *testing.T) {
 	for round := 0; round < 300; round++ {
-		release := make(chan struct{})
-		started := make(chan struct{}, 1)
-		h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
-			started <- struct{}{}
-			<-release
-			return nil
-		}), WithLogger(quietLogger()), WithWorkers(1))
-		h.submit(t, ev{"a", 1})
-		<-started
-		h.clock.Step(DefaultHandleTimeout + time.Second) // past the deadline and the grace
-		waitFor(t, func() bool { return h.m.Stats().Overrunning == 1 }, "the call never overran")
+		h, release := overrunningCall(t)
 		spin := round % 50
 		go func() {
 			for i := 0; i < spin*20; i++ {
@@ -215,17 +205,7 @@ func TestShutdownCountsOnlyTheCallsItAbandons(t *testing.T) {
 // Shutdown is then between its decision and its stop), Stop is called.
 func TestShutdownReportsAStuckCallAConcurrentStopAbandoned(t *testing.T) {
 	for round := 0; round < 1000; round++ {
-		release := make(chan struct{})
-		started := make(chan struct{}, 1)
-		h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
-			started <- struct{}{}
-			<-release
-			return nil
-		}), WithLogger(quietLogger()), WithWorkers(1))
-		h.submit(t, ev{"a", 1})
-		<-started
-		h.clock.Step(DefaultHandleTimeout + time.Second) // past the deadline and the grace
-		waitFor(t, func() bool { return h.m.Stats().Overrunning == 1 }, "the call never overran")
+		h, release := overrunningCall(t)
 
 		stopDone := make(chan struct{})
 		go func() {
@@ -245,4 +225,21 @@ func TestShutdownReportsAStuckCallAConcurrentStopAbandoned(t *testing.T) {
 				"yet Shutdown returned nil: %+v", round, s)
 		}
 	}
+}
+
+// overrunningCall returns a monitor with one worker whose one call has
+// overrun (its deadline and grace passed) until release is closed.
+func overrunningCall(t *testing.T) (*harness, chan struct{}) {
+	release := make(chan struct{})
+	started := make(chan struct{}, 1)
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		started <- struct{}{}
+		<-release
+		return nil
+	}), WithLogger(quietLogger()), WithWorkers(1))
+	h.submit(t, ev{"a", 1})
+	<-started
+	h.clock.Step(DefaultHandleTimeout + time.Second) // past the deadline and the grace
+	waitFor(t, func() bool { return h.m.Stats().Overrunning == 1 }, "the call never overran")
+	return h, release
 }
