@@ -42,7 +42,9 @@ type failedDrop struct {
 	err    error // the handler's
 }
 
-func (f failedDrop) Error() string   { return fmt.Sprintf("%v%s: %v", f.why, f.detail, f.err) }
+func (f failedDrop) Error() string {
+	return fmt.Sprintf("%v%s: %s", f.why, f.detail, f.err.Error()) // not %v, which may call a Format of its own
+}
 func (f failedDrop) Unwrap() []error { return []error{f.why, f.err} }
 
 // drop counts a drop, with mu held, and returns it for emit to call without.
@@ -93,14 +95,14 @@ func (m *Monitor) dropByOrigin(key string, items []item) []Drop {
 // emit hands d to the drop handler, recovering a panic so that it cannot
 // take a worker or the stream down.
 func (m *Monitor) emit(d Drop) {
+	defer func() {
+		if r := recover(); r != nil {
+			m.cfg.logger.WithField("key", d.Key).Errorf("drop handler or Metrics panicked: %s", panicked(r))
+		}
+	}()
 	if mt := m.cfg.metrics; mt != nil {
 		mt.Dropped(d.Reason, max(1, len(d.Events)))
 	}
-	defer func() {
-		if r := recover(); r != nil {
-			m.cfg.logger.WithField("key", d.Key).Errorf("drop handler panicked: %s", panicked(r))
-		}
-	}()
 	m.cfg.onDrop(d)
 }
 

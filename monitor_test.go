@@ -487,6 +487,25 @@ type bombStatus struct{}
 
 func (bombStatus) Result() (uint32, time.Time, error) { return 0, time.Time{}, bomb{} }
 
+// formatBomb is an error whose Error is fine but whose Format panics with a
+// bomb: checked only calls Error, and logrus's text formatter prints the
+// error with fmt, which calls Format and re-panics on the nested panic.
+type formatBomb struct{}
+
+func (formatBomb) Error() string          { return "fine" }
+func (formatBomb) Format(fmt.State, rune) { panic(bomb{}) }
+func (formatBomb) Is(error) bool          { return false }
+
+var _ fmt.Formatter = formatBomb{}
+
+// messageMetrics reads every drop's reason, as a metrics or tracing
+// exporter keeping the message would.
+type messageMetrics struct{}
+
+func (messageMetrics) HandlerDone(time.Duration, error) {}
+func (messageMetrics) Recovered(time.Duration)          {}
+func (messageMetrics) Dropped(reason error, _ int)      { _ = reason.Error() }
+
 // Promise (README: a handler panic is "recovered, logged with its stack,
 // backed off", not "kills the process" as in containerd): an error cannot
 // take the process down. Returning a typed nil pointer as an error is Go's
@@ -497,18 +516,20 @@ func (bombStatus) Result() (uint32, time.Time, error) { return 0, time.Time{}, b
 // its first failure with logrus's JSON formatter (which calls Error), in
 // handle's errors.Is for *net.OpError, in the stream reader for a
 // converter's such error, in an exit watcher logging its status's, and,
-// for a bomb, wherever a recover printed it. Now the handler's event fails
+// for a bomb, wherever a recover printed it; a bomb from an error's Format
+// (which checked does not call) when a drop's reason was read; and a
+// resync hook's panic, recovered nowhere. Now the handler's event fails
 // and backs off, the converter's envelope is dropped, the stream's error
 // is reported and the exit is handled with UnknownExitCode. Each scenario
 // runs in a child process so that a crash fails this test, not the test
 // binary.
-func TestErrorsWhoseMethodsPanicDoNotCrash(t *testing.T) {
+func TestUserCodePanicsDoNotCrash(t *testing.T) {
 	if scenario := os.Getenv("EVENTMONITOR_PANICKING_ERROR_CHILD"); scenario != "" {
 		panickingErrorScenario(t, scenario)
 		return
 	}
-	for _, scenario := range []string{"text", "json", "unwrap", "converter", "exit", "bomb", "bomb-stream", "bomb-exit"} {
-		cmd := exec.Command(os.Args[0], "-test.run=^TestErrorsWhoseMethodsPanicDoNotCrash$", "-test.count=1")
+	for _, scenario := range []string{"text", "json", "unwrap", "converter", "exit", "bomb", "bomb-stream", "bomb-exit", "format", "resync"} {
+		cmd := exec.Command(os.Args[0], "-test.run=^TestUserCodePanicsDoNotCrash$", "-test.count=1")
 		cmd.Env = append(os.Environ(), "EVENTMONITOR_PANICKING_ERROR_CHILD="+scenario)
 		out, err := cmd.CombinedOutput()
 		if len(out) > 3000 {
@@ -553,6 +574,34 @@ func panickingErrorScenario(t *testing.T, scenario string) {
 		(<-stream.newSub).send(t, envelope(t, "ns", wrapperspb.String("x")))
 		waitFor(t, func() bool { return len(h.drops.all()) == 1 }, "the envelope is dropped")
 		require.ErrorIs(t, h.drops.all()[0].Reason, ErrInvalidEvent)
+		return
+	case "format":
+		// A Metrics labelling drops by message reads the reason, whose
+		// text includes the handler's error.
+		h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+			return formatBomb{}
+		}), append(opts, WithMaxAttempts(1), WithMetrics(messageMetrics{}))...)
+		h.submit(t, ev{"a", 1})
+		h.settled(t)
+		require.Equal(t, uint64(1), h.m.Stats().Dropped)
+		return
+	case "resync":
+		stream := newFakeStream()
+		h := newHarness(t, newRecorder(), append(opts, WithConverter(testConverter),
+			WithResubscribe(time.Second, time.Second),
+			WithResync(func(context.Context) error { panic("relist failed") }))...)
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		runErr := make(chan error, 1)
+		go func() { runErr <- h.m.Run(ctx, stream) }()
+		(<-stream.newSub).errs <- errors.New("daemon gone")
+		waitFor(t, h.clock.HasWaiters, "Run waits to re-subscribe")
+		h.clock.Step(time.Second)
+		sub := <-stream.newSub
+		sub.send(t, envelope(t, "ns", wrapperspb.String("c1"))) // established: the resync hook runs
+		waitFor(t, func() bool { return h.m.Stats().Handled == 1 }, "handled")
+		cancel()
+		require.NoError(t, <-runErr)
 		return
 	case "bomb-stream":
 		h := newHarness(t, newRecorder(), append(opts, WithConverter(testConverter))...)

@@ -28,15 +28,15 @@ import (
 func (m *Monitor) Stop() { m.stop(context.Background()) }
 
 // stop is Stop, abandoning every call still running once ctx, from
-// waitingOn, ends. It returns how many overran calls it abandoned.
-func (m *Monitor) stop(ctx context.Context) (overruns int) {
+// waitingOn, ends.
+func (m *Monitor) stop(ctx context.Context) {
 	m.mu.Lock()
 	m.beginStop()
 	for len(m.calls) > 0 {
 		if ctx.Err() != nil {
-			overruns += m.abandon("still running when Shutdown's ctx ended", inTime, late, overran)
+			m.abandon("still running when Shutdown's ctx ended", inTime, late, overran)
 		} else {
-			overruns += m.abandon("overran its deadline", overran)
+			m.abandon("overran its deadline", overran)
 		}
 		if len(m.calls) > 0 {
 			m.cond.Wait()
@@ -45,7 +45,6 @@ func (m *Monitor) stop(ctx context.Context) (overruns int) {
 	m.mu.Unlock()
 	m.stopOnce.Do(m.finishStop)
 	<-m.done
-	return overruns
 }
 
 // beginStop ends intake and cancels every call. mu is held.
@@ -66,16 +65,13 @@ func (m *Monitor) beginStop() {
 // abandon gives up, at Stop, on the calls in the given stages whose
 // handler is still running: their events are dropped, saying why, and their
 // goroutines leave unseen if they ever return. A call whose handler
-// returned is waited for: it settles as soon as it has the lock. It
-// returns how many of those it abandoned had overran. mu is held.
-func (m *Monitor) abandon(why string, stages ...stage) (overruns int) {
+// returned is waited for: it settles as soon as it has the lock. mu is
+// held.
+func (m *Monitor) abandon(why string, stages ...stage) {
 	before := len(m.calls)
 	m.calls = slices.DeleteFunc(m.calls, func(c *call) bool {
 		if !slices.Contains(stages, c.stage) || c.returned.Load() {
 			return false
-		}
-		if c.stage == overran {
-			overruns++
 		}
 		c.stage = abandoned
 		m.abandonedDrops = append(m.abandonedDrops,
@@ -85,7 +81,6 @@ func (m *Monitor) abandon(why string, stages ...stage) (overruns int) {
 	if len(m.calls) < before {
 		m.changed() // not otherwise: two Stops waiting would wake each other for ever
 	}
-	return overruns
 }
 
 // finishStop, once no call is left, waits for envelopes being taken, drops
@@ -139,16 +134,22 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	for m.state == draining && ctx.Err() == nil && m.drainable() {
 		m.cond.Wait()
 	}
+	// What the drain leaves: events queued, which the stop drops, and
+	// calls, which may yet return or be abandoned (by this stop or by a
+	// Stop begun meanwhile); and whether a Stop cut the drain short.
 	drained := m.state == draining && m.drained()
-	cut := drainer && m.state == stopped && m.drainCut
-	dropped := m.stats.Dropped
+	_, inBackoff := m.keys.InBackoff()
+	cut, left := drainer && m.drainCut, m.keys.Queued()+inBackoff
+	calls := slices.Clone(m.calls)
 	m.mu.Unlock()
-	// A Stop already waiting does not hold it past ctx. Only stop knows
-	// what it abandoned: a stuck call may return until then, or a Stop
-	// begun meanwhile abandon it first.
-	gaveUp := m.stop(ctx)
+	m.stop(ctx) // a Stop already waiting does not hold it past ctx
 	m.mu.Lock()
-	cut = cut || drainer && !drained && m.stats.Dropped > dropped
+	gaveUp := 0
+	for _, c := range calls {
+		if c.stage == abandoned {
+			gaveUp++
+		}
+	}
 	m.mu.Unlock()
 	switch {
 	case drained:
@@ -158,7 +159,9 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	case gaveUp > 0:
 		return fmt.Errorf("%w: shutdown abandoned %d handler calls that overran their timeout", ErrStopped, gaveUp)
 	case cut:
-		return fmt.Errorf("%w: shutdown stopped before its drain was done (a Stop began, or a stuck call returned too late)", ErrStopped)
+		return fmt.Errorf("%w: Stop began before the shutdown's drain was done", ErrStopped)
+	case drainer && left > 0:
+		return fmt.Errorf("%w: shutdown dropped %d events that stuck calls kept from every worker", ErrStopped, left)
 	}
 	return nil
 }

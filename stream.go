@@ -213,7 +213,7 @@ func (m *Monitor) runOnce(ctx context.Context, s Subscriber, filters []string, r
 			resyncs.Add(1)
 			go func() {
 				defer resyncs.Done()
-				if err := checked(hook(subCtx)); err != nil && subCtx.Err() == nil {
+				if err := m.resync(subCtx, hook); err != nil && subCtx.Err() == nil {
 					m.cfg.logger.WithError(err).Warn("resync after re-subscription failed")
 				}
 			}()
@@ -223,6 +223,12 @@ func (m *Monitor) runOnce(ctx context.Context, s Subscriber, filters []string, r
 	cancelSub()
 	resyncs.Wait()
 	return delivered, err
+}
+
+// resync runs the WithResync hook, turning a panic into an error.
+func (m *Monitor) resync(ctx context.Context, hook func(context.Context) error) (err error) {
+	defer panicToErr(&err, "resync hook panicked: %v")
+	return checked(hook(ctx))
 }
 
 // consume reads sub until it breaks or ctx ends, reporting whether any
