@@ -176,13 +176,7 @@ func TestShutdownDrainsABackoffGivenDuringAReplay(t *testing.T) {
 func TestShutdownCountsOnlyTheCallsItAbandons(t *testing.T) {
 	for round := 0; round < 300; round++ {
 		h, release := overrunningCall(t)
-		spin := round % 50
-		go func() {
-			for i := 0; i < spin*20; i++ {
-				runtime.Gosched()
-			}
-			close(release)
-		}()
+		go releaseAfter(release, round%50*20) // as Shutdown decides, a little later each round
 		err := h.m.Shutdown(context.Background())
 		s := h.m.Stats()
 		if err != nil && s.Dropped == 0 {
@@ -269,13 +263,7 @@ func TestShutdownErrsOnlyForWhatItsDrainLost(t *testing.T) {
 		exits := make(chan stoppingStatus, 1)
 		exits <- stoppingStatus{h.m.stopping}
 		WatchExit(context.Background(), h.m, "x", exits, func(code uint32, _ time.Time) any { return ev{"x", int(code)} })
-		spin := round % 50
-		go func() {
-			for i := 0; i < spin*20; i++ {
-				runtime.Gosched()
-			}
-			close(release)
-		}()
+		go releaseAfter(release, round%50*20) // as Shutdown decides, a little later each round
 		err := h.m.Shutdown(context.Background())
 		s := h.m.Stats()
 		if err != nil && s.Handled == 1 && errors.Is(err, ErrStopped) {
@@ -286,4 +274,12 @@ func TestShutdownErrsOnlyForWhatItsDrainLost(t *testing.T) {
 				"yet Shutdown said %q (only a refused exit was dropped): %+v", round, err, s)
 		}
 	}
+}
+
+// releaseAfter closes release after yielding the processor spins times.
+func releaseAfter(release chan struct{}, spins int) {
+	for range spins {
+		runtime.Gosched()
+	}
+	close(release)
 }
