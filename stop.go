@@ -116,11 +116,14 @@ func (m *Monitor) finishStop() {
 // queued, replays every backoff queue once at once, then Stops. An event
 // failing meanwhile, or still waiting at the stop, is dropped with
 // ErrStopped. Overrunning calls do not hold it up: once nothing else can
-// move, it stops, abandoning them, and returns an error wrapping
-// ErrStopped, as it does whenever it stopped with events left (a Stop
-// began before the drain was done, say). If
-// ctx ends first it stops at once, abandoning every call in progress (a
-// returned call's report is still waited for), and returns ctx's error.
+// move, it stops. If ctx ends first it stops at once, abandoning every
+// call in progress (a returned call's report is still waited for).
+//
+// It returns nil once its drain is done, or if a Stop had already begun;
+// ctx's error if ctx ended first; otherwise an error wrapping ErrStopped
+// that says what its drain lost: calls abandoned as they overran, events
+// dropped that stuck calls kept from every worker, or a Stop that began
+// before the drain was done.
 func (m *Monitor) Shutdown(ctx context.Context) error {
 	m.endIntake()
 	ctx, done := m.waitingOn(ctx)
