@@ -92,18 +92,23 @@ func (m *Monitor) dropByOrigin(key string, items []item) []Drop {
 	return drops
 }
 
-// emit hands d to the drop handler, recovering a panic so that it cannot
-// take a worker or the stream down.
+// emit hands d to the metrics and the drop handler.
 func (m *Monitor) emit(d Drop) {
+	if mt := m.cfg.metrics; mt != nil {
+		m.protect("Metrics", d.Key, func() { mt.Dropped(d.Reason, max(1, len(d.Events))) })
+	}
+	m.protect("drop handler", d.Key, func() { m.cfg.onDrop(d) })
+}
+
+// protect runs fn, calling a user's callback, recovering and logging a
+// panic so that it cannot take a worker, a watcher or the stream down.
+func (m *Monitor) protect(callback, key string, fn func()) {
 	defer func() {
 		if r := recover(); r != nil {
-			m.cfg.logger.WithField("key", d.Key).Errorf("drop handler or Metrics panicked: %s", panicked(r))
+			m.cfg.logger.WithField("key", key).Errorf("%s panicked: %s", callback, panicked(r))
 		}
 	}()
-	if mt := m.cfg.metrics; mt != nil {
-		mt.Dropped(d.Reason, max(1, len(d.Events)))
-	}
-	m.cfg.onDrop(d)
+	fn()
 }
 
 func logDrop(l *log.Entry) func(Drop) {

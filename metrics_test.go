@@ -174,3 +174,24 @@ func TestMetricsMatchStatsUnderAbandonment(t *testing.T) {
 	require.Equal(t, int64(s.Dropped), mt.dropped.Load())
 	require.Equal(t, int64(s.Handled+s.Failed+s.Ignored), mt.done.Load(), "%+v", s)
 }
+
+// panickyDropMetrics is Metrics whose Dropped panics.
+type panickyDropMetrics struct{}
+
+func (panickyDropMetrics) HandlerDone(time.Duration, error) {}
+func (panickyDropMetrics) Recovered(time.Duration)          {}
+func (panickyDropMetrics) Dropped(error, int)               { panic("metrics broke") }
+
+// Promise (emit's doc, WithDropHandler): every drop reaches the drop
+// handler; emit recovers a panic "so that it cannot take a worker or the
+// stream down". When Metrics.Dropped shared the drop handler's recover,
+// its panic skipped the drop handler: the event was lost without it ever
+// hearing of it (only a log line said Metrics panicked).
+func TestPanickingMetricsStillLetsTheDropHandlerHear(t *testing.T) {
+	r := newRecorder()
+	r.fail(ev{"a", 1}, 100)
+	h := newHarness(t, r, WithMaxAttempts(1), WithMetrics(panickyDropMetrics{}), WithLogger(quietLogger()))
+	h.submit(t, ev{"a", 1})
+	h.settled(t)
+	require.Len(t, h.drops.all(), 1, "a/1 was dropped (max attempts); the drop handler must hear of it")
+}

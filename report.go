@@ -22,10 +22,12 @@ type outcome struct {
 // it cannot flood the log.
 func (m *Monitor) report(c *call, err error, end time.Time, out outcome, overran bool) {
 	if mt := m.cfg.metrics; mt != nil {
-		mt.HandlerDone(end.Sub(c.start), err)
-		if err == nil && c.it.failures != nil {
-			mt.Recovered(end.Sub(c.it.failures.first))
-		}
+		m.protect("Metrics", c.key.Name(), func() {
+			mt.HandlerDone(end.Sub(c.start), err)
+			if err == nil && c.it.failures != nil {
+				mt.Recovered(end.Sub(c.it.failures.first))
+			}
+		})
 	}
 	if !overran && out.failed == nil {
 		return

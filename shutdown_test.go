@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"runtime"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -282,4 +283,71 @@ func releaseAfter(release chan struct{}, spins int) {
 		runtime.Gosched()
 	}
 	close(release)
+}
+
+// goroutinesIn counts the goroutines whose stack holds frame.
+func goroutinesIn(frame string) int {
+	buf := make([]byte, 1<<20)
+	buf = buf[:runtime.Stack(buf, true)]
+	n := 0
+	for _, g := range strings.Split(string(buf), "\n\n") {
+		if strings.Contains(g, frame) {
+			n++
+		}
+	}
+	return n
+}
+
+// Promise (Shutdown's doc and contract): Shutdown returns nil when a Stop
+// had already begun before it was called: it drained nothing, so it has
+// nothing of its own to report. Here Stop begins while a call that ignores
+// its ctx runs in time; Shutdown is called, then the call overruns and the
+// Stop abandons it. Before the fix Shutdown counted that abandoned call,
+// though it was never its drain's, and returned ErrStopped.
+func TestShutdownAfterStopReportsNothingOfItsOwn(t *testing.T) {
+	release := make(chan struct{})
+	defer close(release)
+	started := make(chan struct{}, 1)
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		started <- struct{}{}
+		<-release // ignores ctx
+		return nil
+	}), WithLogger(quietLogger()), WithWorkers(1))
+	h.submit(t, ev{"a", 1})
+	<-started
+
+	stopDone := make(chan struct{})
+	go func() { h.m.Stop(); close(stopDone) }()
+	waitFor(t, stateIs(h.m, stopped), "Stop begins")
+
+	done := make(chan error, 1)
+	go func() { done <- h.m.Shutdown(context.Background()) }()
+	// Shutdown is called after Stop began, and waits in its stop too.
+	waitFor(t, func() bool {
+		return goroutinesIn("eventmonitor.(*Monitor).Shutdown(") == 1 &&
+			goroutinesIn("eventmonitor.(*Monitor).stop(") == 2
+	}, "Shutdown waits in its stop")
+
+	h.clock.Step(DefaultHandleTimeout + time.Minute) // the call overruns: Stop abandons it
+	<-stopDone
+	require.NoError(t, <-done, "a Stop had begun before Shutdown was called: nothing of its own to report")
+}
+
+// Promise (contract): Shutdown never errs when nothing of its drain was
+// lost. Each round: a stuck (overran) a/1 with a/2 queued behind it, a/1
+// released as Shutdown decides. When a/1 returns in the window between
+// Shutdown's decision (left = 1) and its stop's lock, a/2 started, ignored
+// the stop's cancel and was Handled: nothing was dropped, yet Shutdown
+// said it "dropped 1 events". The stop now begins as Shutdown decides.
+func TestShutdownErrsOnlyForEventsItDropped(t *testing.T) {
+	for round := 0; round < 400; round++ {
+		h, release := overrunningCall(t)
+		h.submit(t, ev{"a", 2})
+		go releaseAfter(release, round%40*10)
+		err := h.m.Shutdown(context.Background())
+		s := h.m.Stats()
+		if err != nil && s.Handled == 2 && len(h.drops.all()) == 0 {
+			t.Fatalf("round %d: both events handled, nothing dropped, yet Shutdown said %q: %+v", round, err, s)
+		}
+	}
 }

@@ -123,7 +123,8 @@ func (m *Monitor) finishStop() {
 // ctx's error if ctx ended first; otherwise an error wrapping ErrStopped
 // that says what its drain lost: calls abandoned as they overran, events
 // dropped that stuck calls kept from every worker, or a Stop that began
-// before the drain was done.
+// before the drain was done. An event that fails during the drain goes to
+// the drop handler; it is not in the error.
 func (m *Monitor) Shutdown(ctx context.Context) error {
 	m.endIntake()
 	ctx, done := m.waitingOn(ctx)
@@ -137,13 +138,15 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	for m.state == draining && ctx.Err() == nil && m.drainable() {
 		m.cond.Wait()
 	}
-	// What the drain leaves: events queued, which the stop drops, and
-	// calls, which may yet return or be abandoned (by this stop or by a
-	// Stop begun meanwhile); and whether a Stop cut the drain short.
+	// What the drain leaves, noted as the stop begins, so that no call
+	// starts between: events queued, which the stop drops, and calls,
+	// which may yet return or be abandoned (by this stop or a Stop begun
+	// meanwhile); and whether a Stop began first, cutting the drain short.
 	drained := m.state == draining && m.drained()
 	_, inBackoff := m.keys.InBackoff()
 	cut, left := drainer && m.drainCut, m.keys.Queued()+inBackoff
 	calls := slices.Clone(m.calls)
+	m.beginStop()
 	m.mu.Unlock()
 	m.stop(ctx) // a Stop already waiting does not hold it past ctx
 	m.mu.Lock()
@@ -159,11 +162,13 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 		return nil
 	case ctx.Err() != nil:
 		return fmt.Errorf("eventmonitor: shutdown: %w", ctx.Err())
+	case !drainer:
+		return nil // what a Stop begun before abandoned is not this Shutdown's to report
 	case gaveUp > 0:
 		return fmt.Errorf("%w: shutdown abandoned %d handler calls that overran their timeout", ErrStopped, gaveUp)
 	case cut:
 		return fmt.Errorf("%w: Stop began before the shutdown's drain was done", ErrStopped)
-	case drainer && left > 0:
+	case left > 0:
 		return fmt.Errorf("%w: shutdown dropped %d events that stuck calls kept from every worker", ErrStopped, left)
 	}
 	return nil
