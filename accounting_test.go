@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 )
@@ -218,4 +219,162 @@ func testAccountingUnderChaos(t *testing.T, opts ...Option) {
 	require.Equal(t, s.Received, s.Handled+s.Dropped)
 	t.Logf("%d events: %d handled, %d dropped (%d handler failures, %d panics), %d stream breaks, %d re-subscriptions",
 		n, s.Handled, s.Dropped, failures.Load(), panics.Load(), breaks.Load(), s.Resubscribed)
+}
+
+// The central promises, driven on the fake clock (a cold review's test). A random
+// mix of Submit, Backoff (also from inside a call of its own key, so
+// during a replay), Forget (also during a call), WatchExit on idle and
+// busy keys, failures up to WithMaxAttempts; after every WaitIdle:
+//
+//   - no key on two goroutines;
+//   - per key, calls in non-decreasing sequence (a retry repeats one);
+//   - the Stats identity;
+//   - no fake-clock timer once nothing is in backoff;
+//
+// and after Stop (or Shutdown, for an even seed) every accepted event
+// ended exactly once. EVENTMONITOR_SEED picks the seed; by default a new
+// one each run, logged.
+func TestRandomOperationsOnAFakeClock(t *testing.T) {
+	seed := envInt(t, "EVENTMONITOR_SEED", uint64(time.Now().UnixNano()))
+	rng := rand.New(rand.NewPCG(seed, 14))
+	t.Logf("seed %d", seed)
+
+	var (
+		mu       sync.Mutex
+		nextSeq  = map[string]int{}
+		lastCall = map[string]int{}
+		ended    = map[ev]string{}
+		accepted = map[ev]bool{}
+		attempts = map[ev]int{}
+		badOrder []string
+		twice    []string
+	)
+	x := &exclusive{}
+	var m *Monitor
+	// accept assigns the key's next seq and hands the event over, under mu so
+	// that seq order is accept order.
+	accept := func(key string, backoff bool) {
+		mu.Lock()
+		defer mu.Unlock()
+		nextSeq[key]++
+		e := ev{key, nextSeq[key]}
+		accepted[e] = true
+		if backoff {
+			m.Backoff(key, e)
+		} else if err := m.Submit(key, e); err != nil {
+			delete(accepted, e)
+		}
+	}
+	end := func(e ev, how string) {
+		mu.Lock()
+		defer mu.Unlock()
+		if prev, ok := ended[e]; ok {
+			twice = append(twice, fmt.Sprintf("%v: %s then %s", e, prev, how))
+		}
+		ended[e] = how
+	}
+	var hrng sync.Mutex
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, a any) error {
+		e := a.(ev)
+		leave := x.enter(e.Key)
+		defer leave()
+		mu.Lock()
+		if e.Seq < lastCall[e.Key] {
+			badOrder = append(badOrder, fmt.Sprintf("%v after %s/%d", e, e.Key, lastCall[e.Key]))
+		}
+		lastCall[e.Key] = e.Seq
+		attempts[e]++
+		mu.Unlock()
+		hrng.Lock()
+		r := rng.IntN(10)
+		hrng.Unlock()
+		switch r {
+		case 0:
+			accept(e.Key, true) // Backoff during the call (maybe a replay's)
+		case 1:
+			for _, f := range m.Forget(e.Key) {
+				end(f.(ev), "forgotten")
+			}
+		case 2:
+			accept(e.Key, false)
+		}
+		if r >= 7 {
+			return fmt.Errorf("fail %v", e)
+		}
+		end(e, "handled")
+		return nil
+	}), WithWorkers(2), WithMaxAttempts(3), WithBackoff(time.Second, 4*time.Second), WithLogger(quietLogger()))
+	m = h.m
+	keys := []string{"a", "b", "c"}
+	for round := 0; round < 60; round++ {
+		hrng.Lock()
+		n := rng.IntN(4)
+		ops := make([]int, n)
+		ks := make([]string, n)
+		for i := range ops {
+			ops[i], ks[i] = rng.IntN(6), keys[rng.IntN(len(keys))]
+		}
+		hrng.Unlock()
+		for i, op := range ops {
+			switch op {
+			case 0, 1:
+				accept(ks[i], false)
+			case 2:
+				accept(ks[i], true)
+			case 3:
+				for _, f := range m.Forget(ks[i]) {
+					end(f.(ev), "forgotten")
+				}
+			case 4:
+				h.settled(t) // no call of the key may accept beside the exit
+				exits := make(chan fakeExit, 1)
+				exits <- fakeExit{}
+				mu.Lock()
+				nextSeq[ks[i]]++
+				e := ev{ks[i], nextSeq[ks[i]]}
+				accepted[e] = true
+				mu.Unlock()
+				// The watcher accepts it; no other accept of the key runs
+				// until done, so its seq is its place in the queue.
+				mu.Lock()
+				done := WatchExit(context.Background(), m, ks[i], exits, func(uint32, time.Time) any { return e })
+				mu.Unlock()
+				<-done
+			case 5:
+				h.settled(t)
+			}
+		}
+		h.settled(t)
+		s := m.Stats()
+		assertBalanced(t, s)
+		if s.KeysInBackoff == 0 {
+			assert.False(t, h.clock.HasWaiters(), "round %d: idle, nothing in backoff, yet a timer: %+v", round, s)
+		}
+		if at, ok := m.NextRetry(); ok {
+			h.clock.SetTime(at)
+		}
+	}
+	h.settled(t)
+	if seed%2 == 0 {
+		_ = m.Shutdown(context.Background()) // drains the backoff at once
+	} else {
+		m.Stop()
+	}
+	for _, d := range h.drops.all() {
+		for _, e := range d.Events {
+			end(e.(ev), "dropped: "+d.Reason.Error())
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	assert.False(t, x.twice.Load(), "a key on two goroutines")
+	assert.Empty(t, badOrder, "per-key order")
+	assert.Empty(t, twice, "an event ended twice")
+	for e := range accepted {
+		if _, ok := ended[e]; !ok {
+			t.Errorf("%v accepted, never ended (%d calls)", e, attempts[e])
+		}
+	}
+	assertBalanced(t, m.Stats())
+	require.Equal(t, uint64(len(accepted)), m.Stats().Received)
 }
