@@ -78,12 +78,12 @@ func (m *Monitor) retime() {
 	}
 	s.at = at
 	// A timer counts from the clock's time when it is set, not from now: a
-	// fake clock stepped in between leaves it late, so it is set once more
-	// if the clock moved (a real clock always moves: nanoseconds late). A
-	// test stepping during both tries sees its retry at its next Step, or
+	// fake clock stepped in between leaves it late, so it is set again
+	// while the clock moved (a real clock moves nanoseconds: near enough).
+	// A test stepping during every try sees its retry at its next Step, or
 	// at WaitIdle, which finds the timer overdue.
 	var now time.Time
-	for tries := 0; tries < 2; tries++ {
+	for tries := 0; tries < 4; tries++ {
 		now = m.cfg.clock.Now()
 		if s.timer == nil {
 			s.timer = m.cfg.clock.NewTimer(at.Sub(now))
@@ -93,7 +93,7 @@ func (m *Monitor) retime() {
 			s.stop()
 			s.timer.Reset(at.Sub(now))
 		}
-		if m.cfg.clock.Since(now) == 0 {
+		if m.cfg.clock.Since(now) < time.Microsecond {
 			break
 		}
 	}
