@@ -57,6 +57,13 @@ type call struct {
 	stage stage
 }
 
+// runningIn reports whether c's handler is still running, in one of
+// stages. A returned call is not: it settles once its goroutine has mu.
+// mu is held.
+func (c *call) runningIn(stages ...stage) bool {
+	return !c.returned.Load() && slices.Contains(stages, c.stage)
+}
+
 // Deadline is the monitor clock's start plus the handle timeout.
 func (c *call) Deadline() (time.Time, bool) { return c.deadline, !c.deadline.IsZero() }
 

@@ -40,13 +40,10 @@ func (m *Monitor) wakeAt() (at time.Time) {
 		return at
 	}
 	for _, c := range m.calls {
-		if c.returned.Load() {
-			continue // settles as soon as it has the lock
-		}
-		switch c.stage {
-		case inTime:
+		switch {
+		case c.runningIn(inTime):
 			earlier(c.deadline)
-		case late:
+		case c.runningIn(late):
 			earlier(m.overrunAt(c))
 		}
 	}
@@ -183,7 +180,7 @@ type overrun struct {
 func (m *Monitor) expire(now time.Time) []overrun {
 	var stuck []*call
 	for _, c := range m.calls {
-		if c.deadline.IsZero() || now.Before(c.deadline) || c.returned.Load() {
+		if c.deadline.IsZero() || now.Before(c.deadline) || !c.runningIn(inTime, late) {
 			continue
 		}
 		if c.stage == inTime {

@@ -70,7 +70,7 @@ func (m *Monitor) beginStop() {
 func (m *Monitor) abandon(why string, stages ...stage) {
 	before := len(m.calls)
 	m.calls = slices.DeleteFunc(m.calls, func(c *call) bool {
-		if !slices.Contains(stages, c.stage) || c.returned.Load() {
+		if !c.runningIn(stages...) {
 			return false
 		}
 		c.stage = abandoned
@@ -192,7 +192,7 @@ func (m *Monitor) drainable() bool {
 func (m *Monitor) stuck() int {
 	n := 0
 	for _, c := range m.calls {
-		if c.stage == overran && !c.returned.Load() {
+		if c.runningIn(overran) {
 			n++
 		}
 	}
