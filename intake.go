@@ -44,7 +44,8 @@ func (m *Monitor) take(ctx context.Context, env *Envelope) {
 
 // ignore counts an envelope of a type nobody keys, logging its type once.
 func (m *Monitor) ignore(env *Envelope, err error) {
-	url := env.Event.GetTypeUrl() // the payload's code: not under mu
+	var url string // the payload's code: not under mu, nor unguarded
+	m.protect("the payload's GetTypeUrl", "", func() { url = env.Event.GetTypeUrl() })
 	m.mu.Lock()
 	m.stats.Received++
 	m.stats.Ignored++

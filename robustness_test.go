@@ -50,8 +50,8 @@ func TestShutdownDoesNotHangBehindAStuckHandler(t *testing.T) {
 }
 
 // Two Runs at once would both subscribe and handle every event twice: the
-// second is refused, as is a Start while a Run reads, and Run works again
-// once the first returned.
+// second is refused, as is a Start while a Run reads (its subscription
+// waits for the next Start), and Run works again once the reader is done.
 func TestOneStreamReaderAtATime(t *testing.T) {
 	r := newRecorder()
 	h := newHarness(t, r, WithConverter(testConverter))
@@ -63,33 +63,32 @@ func TestOneStreamReaderAtATime(t *testing.T) {
 
 	require.ErrorIs(t, h.m.Run(context.Background(), stream), ErrAlreadyRunning)
 	h.m.Subscribe(stream)
-	second := <-stream.newSub
+	kept := <-stream.newSub
 	require.ErrorIs(t, <-h.m.Start(), ErrAlreadyRunning)
-	<-second.ctx.Done() // the refused Start's subscription is ended, not leaked
+	require.NoError(t, kept.ctx.Err(), "the refused Start's subscription is kept for the next Start")
 
 	sub.send(t, envelope(t, "ns", wrapperspb.String("c1")))
 	waitFor(t, func() bool { return len(r.handledList()) == 1 }, "handled")
 	cancel()
 	require.NoError(t, <-first)
 
-	// Again, after the first Run returned; and a Start's reader blocks Run.
+	errCh := h.m.Start() // reads the kept subscription; its reader blocks Run
+	kept.send(t, envelope(t, "ns", wrapperspb.String("c2")))
+	waitFor(t, func() bool { return len(r.handledList()) == 2 }, "handled by Start's reader")
+	require.ErrorIs(t, h.m.Run(context.Background(), stream), ErrAlreadyRunning)
+	kept.errs <- errors.New("broken")
+	require.EqualError(t, <-errCh, "broken")
+
 	ctx, cancel = context.WithCancel(context.Background())
 	defer cancel()
 	again := make(chan error, 1)
 	go func() { again <- h.m.Run(ctx, stream) }()
 	sub = <-stream.newSub
-	sub.send(t, envelope(t, "ns", wrapperspb.String("c2")))
-	waitFor(t, func() bool { return len(r.handledList()) == 2 }, "handled by the second Run")
+	sub.send(t, envelope(t, "ns", wrapperspb.String("c3")))
+	waitFor(t, func() bool { return len(r.handledList()) == 3 }, "handled by the second Run")
 	cancel()
 	require.NoError(t, <-again)
-
-	h.m.Subscribe(stream)
-	errCh := h.m.Start()
-	sub = <-stream.newSub
-	require.ErrorIs(t, h.m.Run(context.Background(), stream), ErrAlreadyRunning)
-	sub.errs <- errors.New("broken")
-	require.EqualError(t, <-errCh, "broken")
-	assert.Equal(t, uint64(2), h.m.Stats().Handled, "nothing was handled twice")
+	assert.Equal(t, uint64(3), h.m.Stats().Handled, "nothing was handled twice")
 }
 
 // containerd's podsandbox controller calls Start with no subscription and

@@ -71,7 +71,8 @@ func (m *Monitor) Subscribe(s Subscriber, filters ...string) {
 // does. The channel delivers the stream's error if it breaks, ErrStopped after
 // Stop or Shutdown began, ErrNoConverter without WithConverter, or
 // ErrAlreadyRunning while a Run or another Start reads a stream; it is closed
-// when reading ends (stream error, Stop or Shutdown). After a stream error,
+// when reading ends (stream error, Stop or Shutdown). A Start that fails
+// leaves the subscription for the next. After a stream error,
 // Submit, WatchExit and backoff replays go on working until Stop.
 //
 // Without Subscribe, Start reads nothing and needs no converter: its channel
@@ -80,7 +81,6 @@ func (m *Monitor) Subscribe(s Subscriber, filters ...string) {
 func (m *Monitor) Start() <-chan error {
 	m.mu.Lock()
 	sub := m.stream.subscribed
-	m.stream.subscribed = nil
 	if sub == nil && m.state.accepts() {
 		defer m.mu.Unlock()
 		if m.stream.lifetime == nil {
@@ -91,14 +91,12 @@ func (m *Monitor) Start() <-chan error {
 	}
 	err := m.beginReading()
 	if err == nil {
+		m.stream.subscribed = nil
 		m.watchers.Add(1)
 	}
 	m.mu.Unlock()
 	errCh := make(chan error, 1)
-	if err != nil {
-		if sub != nil {
-			sub.cancel()
-		}
+	if err != nil { // the subscription waits for a Start that can read it, or Stop
 		errCh <- err
 		close(errCh)
 		return errCh
@@ -265,10 +263,29 @@ func (m *Monitor) consume(ctx context.Context, sub *subscription, established fu
 			m.take(ctx, env)
 		case err, ok := <-sub.errs:
 			if !ok || err != nil {
-				return delivered, checked(err)
+				return m.takeBuffered(ctx, sub.ch) || delivered, checked(err)
 			}
 		}
 	}
+}
+
+// takeBuffered takes what the subscriber sent before its error, which may
+// wait in a buffered channel still (containerd.NewSubscriber's does), until
+// none is ready, reporting whether any was.
+func (m *Monitor) takeBuffered(ctx context.Context, ch <-chan *Envelope) (delivered bool) {
+	for ctx.Err() == nil {
+		select {
+		case env, ok := <-ch:
+			if !ok {
+				return delivered
+			}
+			delivered = true
+			m.take(ctx, env)
+		default:
+			return delivered
+		}
+	}
+	return delivered
 }
 
 // closedErr is the error of a stream whose envelope channel closed: a

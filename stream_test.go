@@ -3,6 +3,7 @@ package eventmonitor
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -480,4 +481,67 @@ func TestStartReaderDropsAnEnvelopeReadAfterStop(t *testing.T) {
 	for _, d := range h.drops.all() {
 		require.ErrorIs(t, d.Reason, ErrStopped)
 	}
+}
+
+// brokenWithBuffered is a subscription shaped as the containerd module's
+// NewSubscriber makes one: the reader buffered n envelopes, then the stream
+// failed, so its error follows them and both channels close.
+func brokenWithBuffered(t *testing.T, n int) SubscriberFunc {
+	return SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) {
+		ch := make(chan *Envelope, n)
+		errs := make(chan error, 1)
+		for i := range n {
+			ch <- envelope(t, "ns", wrapperspb.String(fmt.Sprintf("c%d", i)))
+		}
+		errs <- errors.New("rpc error: Unavailable")
+		close(errs)
+		close(ch)
+		return ch, errs
+	})
+}
+
+// Envelopes the runtime delivered before the stream broke are read, not
+// lost with the subscription, though its error is ready beside them.
+func TestStreamErrorTakesTheEnvelopesBufferedBeforeIt(t *testing.T) {
+	const n = 8
+	r := newRecorder()
+	h := newHarness(t, r, WithConverter(testConverter))
+	h.m.Subscribe(brokenWithBuffered(t, n))
+	require.Error(t, <-h.m.Start(), "the stream's error is reported")
+	h.settled(t)
+	s := h.m.Stats()
+	assertBalanced(t, s)
+	assert.EqualValues(t, n, s.Handled, "%+v", s)
+}
+
+// panickyAny is a payload whose GetTypeUrl panics, as a typed nil
+// pointer's would.
+type panickyAny struct{ url *string }
+
+func (a panickyAny) GetTypeUrl() string { return *a.url }
+func (a panickyAny) GetValue() []byte   { return nil }
+
+// The stream reader reads an ignored payload's type URL for its log line:
+// a panic there is the payload's, recovered, and the envelope counted.
+func TestIgnoredPayloadWhoseTypeURLPanicsIsCounted(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	conv := ConverterFunc(func(typeurl.Any) (string, any, error) {
+		cancel() // Run returns once this envelope is taken
+		return "", nil, ErrUnsupportedEvent
+	})
+	h := newHarness(t, newRecorder(), WithConverter(conv))
+	ch := make(chan *Envelope, 1)
+	ch <- &Envelope{Topic: "/x", Event: panickyAny{}}
+	var escaped any
+	func() {
+		defer func() { escaped = recover() }()
+		_ = h.m.Run(ctx, SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) {
+			return ch, nil
+		}))
+	}()
+	require.Nil(t, escaped, "a payload's panic escaped the stream reader")
+	s := h.m.Stats()
+	assert.EqualValues(t, 1, s.Ignored, "%+v", s)
+	assertBalanced(t, s)
 }
