@@ -9,8 +9,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/containerd/typeurl/v2"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/types/known/wrapperspb"
 )
 
 func TestShutdownDrainsQueuesAndReplaysBackoffAtOnce(t *testing.T) {
@@ -350,4 +352,29 @@ func TestShutdownErrsOnlyForEventsItDropped(t *testing.T) {
 			t.Fatalf("round %d: both events handled, nothing dropped, yet Shutdown said %q: %+v", round, err, s)
 		}
 	}
+}
+
+// An envelope the stream reader took before Shutdown was called is queued
+// and drained like the events before it, not dropped as intake ends.
+func TestShutdownDrainsAnEnvelopeTakenBeforeIt(t *testing.T) {
+	entered, release := make(chan struct{}), make(chan struct{})
+	conv := ConverterFunc(func(typeurl.Any) (string, any, error) {
+		close(entered)
+		<-release
+		return "a", ev{"a", 0}, nil
+	})
+	r := newRecorder()
+	h := newHarness(t, r, WithConverter(conv))
+	ch := make(chan *Envelope, 1)
+	ch <- &Envelope{Topic: "/tasks/exit", Event: payload(t, wrapperspb.String("a"))}
+	h.m.Subscribe(SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) { return ch, nil }))
+	h.m.Start()
+	<-entered
+	shut := make(chan error, 1)
+	go func() { shut <- h.m.Shutdown(context.Background()) }()
+	waitFor(t, func() bool { return h.m.intake.Err() != nil }, "Shutdown ended intake")
+	close(release)
+	require.NoError(t, <-shut)
+	assert.Empty(t, h.drops.all())
+	assert.EqualValues(t, 1, h.m.Stats().Handled)
 }

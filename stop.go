@@ -23,8 +23,8 @@ import (
 //
 // Do not call Stop from a handler, which it would wait for until it
 // overruns (forever, without a timeout), nor from the drop handler,
-// Metrics, a log hook or a converter, which it may be waiting for: call go
-// m.Stop() there.
+// Metrics, a log hook, a converter, an exit builder or ExitStatus.Result,
+// which it may be waiting for: call go m.Stop() there.
 func (m *Monitor) Stop() { m.stop(context.Background()) }
 
 // stop is Stop, abandoning every call still running once ctx, from
@@ -112,8 +112,9 @@ func (m *Monitor) finishStop() {
 	close(m.done)
 }
 
-// Shutdown stops intake (Submit returns ErrStopped), handles everything
-// queued, replays every backoff queue once at once, then Stops. An event
+// Shutdown stops intake (Submit returns ErrStopped; envelopes the stream
+// reader took are queued first), handles everything queued, replays every
+// backoff queue once at once, then Stops. An event
 // failing meanwhile, or still waiting at the stop, is dropped with
 // ErrStopped. Overrunning calls do not hold it up: once nothing else can
 // move, it stops. If ctx ends first it stops at once, abandoning every
@@ -130,6 +131,9 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	ctx, done := m.waitingOn(ctx)
 	defer done()
 	m.mu.Lock()
+	for m.stream.accepting > 0 && ctx.Err() == nil {
+		m.cond.Wait() // envelopes read before intake ended are queued, then drained
+	}
 	drainer := m.state != stopped // else a Stop left it nothing to drain
 	if m.state.accepts() {
 		m.state = draining
