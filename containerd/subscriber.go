@@ -133,6 +133,8 @@ func (d *socketDialer) failure() error {
 // `namespace==k8s.io`; see Filters) and pass through to the daemon. A stream
 // that breaks delivers its gRPC error on errs, then both channels close;
 // when ctx ends they close without an error. Nothing outlives ctx.
+// Subscribe returns once the stream is open or refused, having waited up
+// to 200 ms for the connection.
 //
 // If conn is a *grpc.ClientConn, every subscription first wakes the
 // connection's reconnection (see wakeConnection), so that after a daemon
@@ -185,28 +187,34 @@ type subscriber struct {
 	conn   wakeable // nil unless the connection can be woken
 }
 
+// Subscribe opens the stream before it returns, so that a daemon still
+// down refuses at once: Run counts a subscription not refused within the
+// initial resubscribe delay as established, and relists (WithResync).
 func (s *subscriber) Subscribe(ctx context.Context, filters ...string) (<-chan *eventmonitor.Envelope, <-chan error) {
 	// A little buffer lets the reader hand over a burst without a goroutine
 	// switch per event; the monitor's intake limit still bounds the rest.
 	ch := make(chan *eventmonitor.Envelope, streamBuffer)
 	errs := make(chan error, 1)
+	wakeConnection(ctx, s.conn)
+	stream, err := s.client.Subscribe(ctx, &eventsapi.SubscribeRequest{Filters: filters})
+	if err != nil {
+		err = fmt.Errorf("containerd: subscribe: %w", err)
+	}
 	go func() {
 		defer close(ch)
 		defer close(errs)
-		if err := s.stream(ctx, filters, ch); err != nil && ctx.Err() == nil {
+		if err == nil {
+			err = read(ctx, stream, ch)
+		}
+		if err != nil && ctx.Err() == nil {
 			errs <- err
 		}
 	}()
 	return ch, errs
 }
 
-// stream reads one subscription into ch until it fails or ctx ends.
-func (s *subscriber) stream(ctx context.Context, filters []string, ch chan<- *eventmonitor.Envelope) error {
-	wakeConnection(ctx, s.conn)
-	stream, err := s.client.Subscribe(ctx, &eventsapi.SubscribeRequest{Filters: filters})
-	if err != nil {
-		return fmt.Errorf("containerd: subscribe: %w", err)
-	}
+// read reads one subscription's stream into ch until it fails or ctx ends.
+func read(ctx context.Context, stream eventsapi.Events_SubscribeClient, ch chan<- *eventmonitor.Envelope) error {
 	for {
 		msg, err := stream.Recv()
 		if err != nil {

@@ -2,18 +2,33 @@ package containerd_test
 
 import (
 	"context"
+	"errors"
+	"fmt"
+	"io"
 	"net"
 	"os"
 	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	eventsapi "github.com/containerd/containerd/api/services/events/v1"
+	apitypes "github.com/containerd/containerd/api/types"
+	"github.com/sirupsen/logrus"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/connectivity"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/anypb"
+	"google.golang.org/protobuf/types/known/wrapperspb"
 
+	"github.com/eventmonitor/eventmonitor"
 	"github.com/eventmonitor/eventmonitor/containerd"
 )
 
@@ -77,4 +92,121 @@ func TestSubscribeRightAfterTheDaemonIsBack(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("no envelope within 10 s")
 	}
+}
+
+// failingStreamConn is a gRPC connection whose one events stream delivers n
+// envelopes and then fails, as a daemon killed under load does.
+type failingStreamConn struct{ n int }
+
+func (c failingStreamConn) Invoke(context.Context, string, any, any, ...grpc.CallOption) error {
+	return status.Error(codes.Unimplemented, "no unary calls")
+}
+
+func (c failingStreamConn) NewStream(ctx context.Context, _ *grpc.StreamDesc, _ string, _ ...grpc.CallOption) (grpc.ClientStream, error) {
+	return &failingStream{ctx: ctx, n: c.n}, nil
+}
+
+type failingStream struct {
+	ctx  context.Context
+	n, i int
+}
+
+func (s *failingStream) Header() (metadata.MD, error) { return nil, nil }
+func (s *failingStream) Trailer() metadata.MD         { return nil }
+func (s *failingStream) CloseSend() error             { return nil }
+func (s *failingStream) Context() context.Context     { return s.ctx }
+func (s *failingStream) SendMsg(any) error            { return nil }
+func (s *failingStream) RecvMsg(m any) error {
+	if s.i == s.n {
+		return status.Error(codes.Unavailable, "error reading from server: EOF")
+	}
+	a, err := anypb.New(wrapperspb.String(fmt.Sprintf("c%d", s.i)))
+	if err != nil {
+		return err
+	}
+	s.i++
+	env := m.(*apitypes.Envelope)
+	env.Namespace, env.Topic, env.Event = "k8s.io", "/tasks/exit", a
+	return nil
+}
+
+func subscriberGoroutineAlive() bool {
+	buf := make([]byte, 1<<20)
+	return strings.Contains(string(buf[:runtime.Stack(buf, true)]), "containerd.(*subscriber).Subscribe.func1")
+}
+
+// While the monitor's intake limit holds its reader back, NewSubscriber's
+// buffer fills; then the daemon goes away. The stream's error comes behind
+// the envelopes buffered, and the monitor reads them all before it.
+func TestEnvelopesBufferedBeforeTheDaemonWentAreRead(t *testing.T) {
+	const n = 20
+	release := make(chan struct{})
+	var once sync.Once
+	handler := eventmonitor.HandlerFunc(func(ctx context.Context, e any) error {
+		<-release
+		return nil
+	})
+	var drops []eventmonitor.Drop
+	var mu sync.Mutex
+	m, err := eventmonitor.New(handler,
+		eventmonitor.WithConverter(eventmonitor.NewConverter(
+			eventmonitor.KeyOf(func(v *wrapperspb.StringValue) string { return v.GetValue() }))),
+		eventmonitor.WithIntakeLimit(1),
+		eventmonitor.WithDropHandler(func(d eventmonitor.Drop) { mu.Lock(); drops = append(drops, d); mu.Unlock() }))
+	require.NoError(t, err)
+	defer m.Stop()
+	defer once.Do(func() { close(release) })
+
+	m.Subscribe(containerd.NewSubscriber(failingStreamConn{n: n}))
+	errCh := m.Start()
+	// The reader is held back by the intake limit; the subscriber's
+	// goroutine buffers the rest, sees the error, sends it and ends.
+	require.Eventually(t, func() bool { return !subscriberGoroutineAlive() }, 10*time.Second, time.Millisecond)
+	once.Do(func() { close(release) })
+	select {
+	case err := <-errCh:
+		require.Error(t, err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("Start's channel never reported the stream's error")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	require.NoError(t, m.WaitIdle(ctx))
+	s := m.Stats()
+	mu.Lock()
+	defer mu.Unlock()
+	assert.EqualValues(t, n, s.Received, "the daemon delivered %d envelopes before failing; the monitor read %d (drops: %d)",
+		n, s.Received, len(drops))
+}
+
+// Run relists (WithResync) once a subscription is established, that is, it
+// delivered or was not refused within the initial resubscribe delay (100
+// ms by default). NewSubscriber waits up to connectWait (200 ms) for the
+// connection, so it must report a refusal as Subscribe returns: otherwise
+// every attempt against a daemon that is down counts as established.
+func TestNoResyncWhileTheDaemonIsDown(t *testing.T) {
+	dir := t.TempDir()
+	conn, err := grpc.NewClient("unix://"+dir+"/missing.sock", grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	defer conn.Close()
+	var mu sync.Mutex
+	resyncs := 0
+	m, err := eventmonitor.New(eventmonitor.HandlerFunc(func(context.Context, any) error { return nil }),
+		eventmonitor.WithConverter(containerd.Converter()),
+		eventmonitor.WithLogger(logrus.NewEntry(&logrus.Logger{Out: io.Discard, Formatter: new(logrus.TextFormatter), Level: logrus.PanicLevel})),
+		eventmonitor.WithResync(func(ctx context.Context) error {
+			mu.Lock()
+			resyncs++
+			mu.Unlock()
+			return errors.New("relist: daemon unreachable")
+		}))
+	require.NoError(t, err)
+	defer m.Stop()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	require.NoError(t, m.Run(ctx, containerd.NewSubscriber(conn)))
+	mu.Lock()
+	defer mu.Unlock()
+	t.Logf("resubscribed %d times, resync hook called %d times", m.Stats().Resubscribed, resyncs)
+	assert.Zero(t, resyncs, "the daemon never came back: no subscription was established, yet the hook relisted")
 }
