@@ -27,9 +27,13 @@ const UnknownExitCode = 255
 // backs it off like any event.
 //
 // The returned channel is closed once the exit was handled or queued, ctx
-// ended (the exit is then not handled) or Stop began. An exit arriving after
-// Shutdown began, or waiting in exitCh when Stop begins, is dropped with
-// ErrStopped. A nil m, exitCh or event panics at once, not in the goroutine.
+// ended (the exit is then not handled) or Stop began while it waited; an
+// exit handled in the watcher's goroutine closes it when its handler
+// returns, even one Stop abandoned (so does containerd's stopCh). An exit
+// arriving during Shutdown's drain, or waiting in exitCh when Stop begins,
+// is dropped with ErrStopped; once Stop began, a watcher reads no more (a
+// WatchExit then returns a closed channel), and an exit sent later stays
+// in exitCh. A nil m, exitCh or event panics at once, not in the goroutine.
 func WatchExit[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh <-chan S,
 	event func(code uint32, exitedAt time.Time) any) <-chan struct{} {
 	var build func(uint32, time.Time, error) any
