@@ -3,11 +3,14 @@ package eventmonitor
 import (
 	"context"
 	"errors"
+	"fmt"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/types/known/wrapperspb"
 )
 
 type fakeExit struct {
@@ -188,4 +191,91 @@ func TestWatchExitResultOnPanicAndError(t *testing.T) {
 	assert.Nil(t, drops[0].Events)
 	h.settled(t)
 	assertBalanced(t, h.m.Stats())
+}
+
+// Run's reader under an intake limit of 1, exits watched on busy and idle
+// keys, and a Stop or Shutdown at a varying moment: every envelope the
+// subscriber handed over and every exit a watcher read is Received once
+// and accounted for, no key runs on two goroutines, and nothing hangs.
+func TestStreamAndExitsAcrossStopAccountForEveryEvent(t *testing.T) {
+	for i := range 30 {
+		var x exclusive
+		h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+			defer x.enter(keyOf(e))()
+			if i%3 == 0 {
+				time.Sleep(time.Duration(i%4) * 100 * time.Microsecond)
+			}
+			return nil
+		}), WithConverter(testConverter), WithIntakeLimit(1), WithWorkers(2))
+		var sent atomic.Int64
+		feedCtx, stopFeeding := context.WithCancel(context.Background())
+		ch := make(chan *Envelope)
+		fed := make(chan struct{})
+		go func() {
+			defer close(fed)
+			for j := 0; ; j++ {
+				select {
+				case ch <- envelope(t, "ns", wrapperspb.String(fmt.Sprintf("k%d", j%3))):
+					sent.Add(1)
+				case <-feedCtx.Done():
+					return
+				}
+			}
+		}()
+		ran := make(chan error, 1)
+		go func() {
+			ran <- h.m.Run(context.Background(), SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) {
+				return ch, nil
+			}))
+		}()
+		var exits []chan fakeExit
+		var dones []<-chan struct{}
+		for j := range 6 {
+			c := make(chan fakeExit, 1)
+			exits = append(exits, c)
+			k := fmt.Sprintf("k%d", j%4)
+			dones = append(dones, WatchExit(context.Background(), h.m, k, c,
+				func(code uint32, at time.Time) any { return wrapperspb.String(k) }))
+		}
+		for j, c := range exits {
+			if j%2 == 0 {
+				c <- fakeExit{code: uint32(j)}
+			}
+		}
+		waitFor(t, func() bool { return h.m.Stats().Received >= uint64(i%5) }, "round %d: events read", i)
+		for j, c := range exits {
+			if j%2 == 1 {
+				c <- fakeExit{code: uint32(j)}
+			}
+		}
+		if i%2 == 0 {
+			h.m.Stop()
+		} else {
+			_ = h.m.Shutdown(context.Background())
+		}
+		select {
+		case err := <-ran:
+			require.ErrorIs(t, err, ErrStopped)
+		case <-time.After(10 * time.Second):
+			t.Fatal("Run did not return after Stop")
+		}
+		stopFeeding()
+		<-fed
+		for _, d := range dones {
+			select {
+			case <-d:
+			case <-time.After(10 * time.Second):
+				t.Fatal("a watcher did not end")
+			}
+		}
+		read := 0
+		for _, c := range exits {
+			read += 1 - len(c)
+		}
+		s := h.m.Stats()
+		assertBalanced(t, s)
+		require.EqualValues(t, sent.Load()+int64(read), s.Received, "round %d: %+v", i, s)
+		require.Zero(t, s.Queued+s.InFlight+s.EventsInBackoff)
+		require.False(t, x.twice.Load(), "a key on two goroutines")
+	}
 }
