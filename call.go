@@ -150,7 +150,7 @@ func (m *Monitor) handle(c *call) (next *call) {
 		m.mu.Unlock() // the report runs user code: logger, Metrics, drop handler
 		m.report(c, err, end, out, overran)
 		m.mu.Lock()
-		if out.drop != nil {
+		if out.drops != nil {
 			m.keys.Done(c.key) // the key's next event starts after its drop is reported
 		}
 	}
@@ -213,19 +213,17 @@ func (m *Monitor) settle(c *call, err error, ignored bool, end time.Time) outcom
 		f.first, f.attempts = old.first, old.attempts+1
 	}
 	c.it.failures = &f
-	it := c.it
 	var reason error
 	switch {
 	case !m.state.accepts():
 		reason = failedDrop{ErrStopped, ": failed while shutting down", err}
-	case m.cfg.maxAttempts > 0 && it.attempts() >= m.cfg.maxAttempts:
-		reason = failedDrop{ErrMaxAttempts, fmt.Sprintf(" (%d)", it.attempts()), err}
+	case m.cfg.maxAttempts > 0 && f.attempts >= m.cfg.maxAttempts:
+		reason = failedDrop{ErrMaxAttempts, fmt.Sprintf(" (%d)", f.attempts), err}
 	default:
-		m.keys.Failed(c.key, it, end)
+		m.keys.Failed(c.key, c.it, end)
 		return outcome{failed: err, delay: c.key.Delay()}
 	}
-	d := m.dropCall(c, reason)
-	return outcome{failed: err, drop: &d}
+	return outcome{failed: err, drops: m.drop(c.key.Name(), reason, c.it)}
 }
 
 // count is how many calls are in one of stages.

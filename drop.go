@@ -47,57 +47,40 @@ func (f failedDrop) Error() string {
 }
 func (f failedDrop) Unwrap() []error { return []error{f.why, f.err} }
 
-// drop counts a drop, with mu held, and returns it for emit to call without.
-func (m *Monitor) drop(key string, events []any, reason error) Drop {
-	m.stats.Dropped += uint64(max(1, len(events)))
-	return Drop{Key: key, Events: events, Reason: reason}
-}
-
-// dropCall drops the event of call c. mu is held.
-func (m *Monitor) dropCall(c *call, reason error) Drop {
-	d := m.drop(c.key.Name(), []any{c.it.event}, reason)
-	d.Topic, d.Namespace = c.it.from()
-	return d
-}
-
-// refuse drops an event (maybe nil) with no caller to refuse it to, counting
-// it as received too so Stats stays balanced. mu is held.
-func (m *Monitor) refuse(key string, event any, reason error) Drop {
-	m.stats.Received++
-	var events []any
-	if event != nil {
-		events = []any{event}
-	}
-	return m.drop(key, events, reason)
-}
-
-// dropByOrigin drops a key's events, one Drop per run of the same topic and
-// namespace, so every Drop says where its events came from. mu is held.
-func (m *Monitor) dropByOrigin(key string, items []item) []Drop {
+// drop counts the drops of key's items and returns them for emit to hand
+// over once mu is released: one Drop per run of items from the same
+// envelope, so that each says where its events came from. An item with a
+// nil event is an envelope that never became one. mu is held.
+func (m *Monitor) drop(key string, reason error, items ...item) []Drop {
 	var drops []Drop
-	for len(items) > 0 {
-		topic, ns := items[0].from()
-		var events []any
-		for len(items) > 0 {
-			if t, n := items[0].from(); t != topic || n != ns {
-				break
-			}
-			events = append(events, items[0].event)
-			items = items[1:]
+	for i, it := range items {
+		topic, ns := it.from()
+		if i == 0 || topic != drops[len(drops)-1].Topic || ns != drops[len(drops)-1].Namespace {
+			drops = append(drops, Drop{Key: key, Reason: reason, Topic: topic, Namespace: ns})
 		}
-		d := m.drop(key, events, ErrStopped)
-		d.Topic, d.Namespace = topic, ns
-		drops = append(drops, d)
+		if d := &drops[len(drops)-1]; it.event != nil {
+			d.Events = append(d.Events, it.event)
+		}
+		m.stats.Dropped++
 	}
 	return drops
 }
 
-// emit hands d to the metrics and the drop handler.
-func (m *Monitor) emit(d Drop) {
-	if mt := m.cfg.metrics; mt != nil {
-		m.protect("Metrics", d.Key, func() { mt.Dropped(d.Reason, max(1, len(d.Events))) })
+// refuse drops an item with no caller to refuse it to, counting it as
+// received too so Stats stays balanced. mu is held.
+func (m *Monitor) refuse(key string, it item, reason error) []Drop {
+	m.stats.Received++
+	return m.drop(key, reason, it)
+}
+
+// emit hands drops to the metrics and the drop handler.
+func (m *Monitor) emit(drops ...Drop) {
+	for _, d := range drops {
+		if mt := m.cfg.metrics; mt != nil {
+			m.protect("Metrics", d.Key, func() { mt.Dropped(d.Reason, max(1, len(d.Events))) })
+		}
+		m.protect("drop handler", d.Key, func() { m.cfg.onDrop(d) })
 	}
-	m.protect("drop handler", d.Key, func() { m.cfg.onDrop(d) })
 }
 
 // protect runs fn, calling a user's callback, recovering and logging a

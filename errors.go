@@ -34,6 +34,14 @@ func panicked(r any) (s string) {
 	return fmt.Sprint(r)
 }
 
+// catch, deferred, turns a panic in user code into *err: wrap, then the
+// panic's value.
+func catch(err *error, wrap error) {
+	if r := recover(); r != nil {
+		*err = fmt.Errorf("%w: %s", wrap, panicked(r))
+	}
+}
+
 // Sentinel errors. Every error the monitor returns or puts in a Drop wraps
 // one of these; test with errors.Is.
 var (

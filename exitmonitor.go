@@ -3,6 +3,7 @@ package eventmonitor
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 
 	"github.com/eventmonitor/eventmonitor/internal/keyq"
@@ -36,11 +37,10 @@ const UnknownExitCode = 255
 // in exitCh. A nil m, exitCh or event panics at once, not in the goroutine.
 func WatchExit[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh <-chan S,
 	event func(code uint32, exitedAt time.Time) any) <-chan struct{} {
-	var build func(uint32, time.Time, error) any
-	if event != nil {
-		build = func(code uint32, exitedAt time.Time, _ error) any { return event(code, exitedAt) }
-	}
-	return watchExit(ctx, "WatchExit", m, key, exitCh, build)
+	mustWatch("WatchExit", m, exitCh == nil, event == nil)
+	return WatchExitResult(ctx, m, key, exitCh, func(code uint32, exitedAt time.Time, _ error) any {
+		return event(code, exitedAt)
+	})
 }
 
 // WatchExitResult is WatchExit with a builder that also sees why the status
@@ -48,20 +48,7 @@ func WatchExit[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh
 // ErrNoExitStatus (with code UnknownExitCode and exitedAt the clock's now).
 func WatchExitResult[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh <-chan S,
 	event func(code uint32, exitedAt time.Time, err error) any) <-chan struct{} {
-	return watchExit(ctx, "WatchExitResult", m, key, exitCh, event)
-}
-
-// watchExit is WatchExitResult, naming caller in its panics.
-func watchExit[S ExitStatus](ctx context.Context, caller string, m *Monitor, key string, exitCh <-chan S,
-	event func(code uint32, exitedAt time.Time, err error) any) <-chan struct{} {
-	switch {
-	case m == nil:
-		panic("eventmonitor: " + caller + " with a nil Monitor")
-	case exitCh == nil:
-		panic("eventmonitor: " + caller + " with a nil exit channel")
-	case event == nil:
-		panic("eventmonitor: " + caller + " with a nil event builder")
-	}
+	mustWatch("WatchExitResult", m, exitCh == nil, event == nil)
 	done := make(chan struct{})
 	m.mu.Lock()
 	if m.state == stopped {
@@ -73,75 +60,84 @@ func watchExit[S ExitStatus](ctx context.Context, caller string, m *Monitor, key
 	m.mu.Unlock()
 	go func() {
 		defer close(done)
-		var s S
-		var received bool
 		select {
 		case <-ctx.Done():
-			m.watchers.Done()
+		case s, ok := <-exitCh:
+			m.handleExit(key, s, ok, event)
 			return
-		case s, received = <-exitCh:
 		case <-m.stopping:
 			select { // an exit already there is accounted for: dropped, not lost
-			case s, received = <-exitCh:
-			default:
-				m.watchers.Done()
+			case s, ok := <-exitCh:
+				m.handleExit(key, s, ok, event)
 				return
+			default:
 			}
 		}
-		code, at, err := m.exitResult(key, s, received)
-		m.handleExit(key, func() any { return event(code, at, err) })
+		m.watchers.Done()
 	}()
 	return done
+}
+
+// mustWatch panics, naming caller, on a nil Monitor, exit channel or builder.
+func mustWatch(caller string, m *Monitor, noChannel, noBuilder bool) {
+	switch {
+	case m == nil:
+		panic("eventmonitor: " + caller + " with a nil Monitor")
+	case noChannel:
+		panic("eventmonitor: " + caller + " with a nil exit channel")
+	case noBuilder:
+		panic("eventmonitor: " + caller + " with a nil event builder")
+	}
 }
 
 // ErrNoExitStatus is WatchExitResult's error for an exit channel closed
 // without a value.
 var ErrNoExitStatus = errors.New("eventmonitor: exit channel closed without a status")
 
-func (m *Monitor) exitResult(key string, s ExitStatus, received bool) (code uint32, at time.Time, err error) {
-	if !received {
-		m.cfg.logger.WithField("key", key).Warn("exit channel closed without a status; exit code unknown")
-		return UnknownExitCode, m.cfg.clock.Now(), ErrNoExitStatus
-	}
-	defer func() { // runs after panicToErr, so sees a panic's error too
-		if err = checked(err); err != nil {
-			m.cfg.logger.WithField("key", key).WithError(err).Warn("cannot read exit status; exit code unknown")
-			code, at = UnknownExitCode, m.cfg.clock.Now()
-		}
-	}()
-	defer panicToErr(&err, "reading the exit status panicked: %v") // a nil status, for one
-	return s.Result()
-}
+var (
+	errExitStatusPanic  = errors.New("reading the exit status panicked")
+	errExitBuilderPanic = fmt.Errorf("%w: exit event builder panicked", ErrInvalidEvent)
+)
 
-// handleExit accepts the exit event build makes and, on an idle key, handles
-// it at once through a worker's call path but holding no slot. The watcher
-// stops counting for Stop before the call: Stop waits for calls, and abandons
-// stuck ones.
-func (m *Monitor) handleExit(key string, build func() any) {
-	event, err := func() (event any, err error) {
-		defer panicToErr(&err, "%w: exit event builder panicked: %v", ErrInvalidEvent)
-		return build(), nil
+// handleExit reads s (received: exitCh was not closed empty), accepts the
+// event build makes and, on an idle key, handles it at once through a
+// worker's call path but holding no slot. The watcher stops counting for
+// Stop before the call: Stop waits for calls, and abandons stuck ones.
+func (m *Monitor) handleExit(key string, s ExitStatus, received bool, build func(uint32, time.Time, error) any) {
+	code, at, err := uint32(UnknownExitCode), time.Time{}, error(ErrNoExitStatus)
+	if received {
+		func() {
+			defer catch(&err, errExitStatusPanic) // a nil status, for one
+			code, at, err = s.Result()
+			err = checked(err)
+		}()
+	}
+	if err != nil {
+		m.cfg.logger.WithField("key", key).WithError(err).Warn("cannot read exit status; exit code unknown")
+		code, at = UnknownExitCode, m.cfg.clock.Now()
+	}
+	var event any
+	func() {
+		defer catch(&err, errExitBuilderPanic)
+		event, err = build(code, at, err), nil
 	}()
 	m.mu.Lock()
 	var k *keyq.Key[item]
 	if err == nil {
 		k, err = m.accept(key, item{event: event}, false)
 	}
-	if err != nil {
-		d := m.refuse(key, event, err)
-		m.mu.Unlock()
-		m.emit(d)
-		m.watchers.Done()
-		return
-	}
 	var c *call
-	if m.state == running {
+	var drops []Drop
+	if err != nil {
+		drops = m.refuse(key, item{event: event}, err)
+	} else if m.state == running {
 		if it, ok := m.keys.TakeAlone(k); ok {
 			c = m.startCall(k, it, false, noSlot)
 		}
 	}
 	m.changed()
 	m.mu.Unlock()
+	m.emit(drops...)
 	m.watchers.Done()
 	if c != nil {
 		m.handle(c) // holds no slot: takes nothing on

@@ -38,28 +38,23 @@ func (m *Monitor) WaitIdle(ctx context.Context) error {
 	defer done()
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	for !m.idle() {
+	for {
+		// The timer is never later than what it times: one not overdue
+		// leaves no replay due.
+		at := m.sched.at
+		overdue := !at.IsZero() && !at.After(m.cfg.clock.Now())
 		switch {
+		case len(m.calls) == 0 && m.stream.accepting == 0 && (m.state == held || !m.keys.HasReady()) && !overdue:
+			return nil
 		case m.state == stopped:
 			return ErrStopped
 		case ctx.Err() != nil:
 			return ctx.Err()
-		}
-		if m.sched.overdue(m.cfg.clock.Now()) {
+		case overdue:
 			m.poke()
 		}
 		m.cond.Wait()
 	}
-	return nil
-}
-
-// idle reports what WaitIdle waits for. The timer is never later than
-// what it times, so one not overdue leaves no replay due. mu is held.
-func (m *Monitor) idle() bool {
-	if len(m.calls) > 0 || m.stream.accepting > 0 || m.state != held && m.keys.HasReady() {
-		return false
-	}
-	return !m.sched.overdue(m.cfg.clock.Now())
 }
 
 // waitingOn derives from a caller's ctx one that a waiter on cond may read

@@ -11,8 +11,11 @@ import (
 // maxIgnoredURLs bounds the ignored type URLs remembered for logging once.
 const maxIgnoredURLs = 256
 
-// errFiltered marks an envelope of another namespace: counted, not accepted.
-var errFiltered = errors.New("eventmonitor: envelope of another namespace")
+var (
+	// errFiltered marks an envelope of another namespace: counted, not accepted.
+	errFiltered       = errors.New("eventmonitor: envelope of another namespace")
+	errConverterPanic = fmt.Errorf("%w: converter panicked", ErrInvalidEvent)
+)
 
 // take converts env without the lock and accepts it, waiting until ctx ends
 // while WithIntakeLimit events wait for a worker, so that a flood stays in
@@ -65,22 +68,27 @@ func (m *Monitor) admit(ctx context.Context, env *Envelope, key string, event an
 		for m.state.accepts() && ctx.Err() == nil && m.keys.Queued() >= m.cfg.intakeLimit {
 			m.cond.Wait()
 		}
-		_, err = m.accept(key, item{event: event, origin: &origin{env.Topic, env.Namespace}}, false)
 	}
-	var d Drop
+	it := item{event: event}
+	if env != nil {
+		it.origin = &origin{env.Topic, env.Namespace}
+	}
+	if err == nil {
+		_, err = m.accept(key, it, false)
+	}
+	var drops []Drop
 	if err != nil {
-		d = m.refuse(key, event, err)
+		drops = m.refuse(key, it, err)
 	}
 	m.mu.Unlock()
 	if err == nil {
 		return
 	}
 	if env != nil {
-		d.Topic, d.Namespace = env.Topic, env.Namespace
 		m.cfg.logger.WithFields(log.Fields{"topic": env.Topic, "namespace": env.Namespace, "key": key}).
 			WithError(err).Debug("envelope dropped")
 	}
-	m.emit(d)
+	m.emit(drops...)
 }
 
 // firstIgnored reports whether url is ignored for the first time, up to
@@ -100,7 +108,7 @@ func (m *Monitor) firstIgnored(url string) bool {
 // error is ErrUnsupportedEvent), turning a panic (say, in a key function,
 // or in errors.Is) into ErrInvalidEvent.
 func (m *Monitor) convert(env *Envelope) (key string, event any, ignored bool, err error) {
-	defer panicToErr(&err, "%w: converter panicked: %v", ErrInvalidEvent)
+	defer catch(&err, errConverterPanic)
 	switch {
 	case env == nil:
 		return "", nil, false, fmt.Errorf("%w: nil envelope", ErrInvalidEvent)
@@ -116,12 +124,4 @@ func (m *Monitor) convert(env *Envelope) (key string, event any, ignored bool, e
 		err = fmt.Errorf("%w: converter returned a nil event", ErrInvalidEvent)
 	}
 	return key, event, ignored, err
-}
-
-// panicToErr, deferred, turns a panic into *err, formatted from format, args
-// and the panic's value.
-func panicToErr(err *error, format string, args ...any) {
-	if r := recover(); r != nil {
-		*err = fmt.Errorf(format, append(args, panicked(r))...)
-	}
 }

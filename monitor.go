@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/containerd/log"
+	"k8s.io/utils/clock"
 
 	"github.com/eventmonitor/eventmonitor/internal/keyq"
 )
@@ -106,7 +107,9 @@ func New(h Handler, opts ...Option) (*Monitor, error) {
 	if isNil(h) {
 		return nil, fmt.Errorf("%w: nil handler (%T)", ErrInvalidOption, h)
 	}
-	cfg := defaultConfig()
+	cfg := config{clock: clock.RealClock{}, initialBackoff: DefaultInitialBackoff, maxBackoff: DefaultMaxBackoff,
+		workers: 1, handleTimeout: DefaultHandleTimeout, maxOverruns: DefaultMaxOverruns, intakeLimit: DefaultIntakeLimit,
+		resubInitial: DefaultResubscribeInitial, resubMax: DefaultResubscribeMax, logger: log.L}
 	for _, opt := range opts {
 		if opt != nil {
 			opt(&cfg)
@@ -136,6 +139,7 @@ func New(h Handler, opts ...Option) (*Monitor, error) {
 	}
 	m.cond.L = &m.mu
 	m.sched.wake = make(chan struct{}, 1)
+	m.stream.ignoredURLs = make(map[string]bool)
 	m.intake, m.endIntake = context.WithCancel(context.Background())
 	return m, nil
 }
@@ -179,15 +183,13 @@ func (m *Monitor) Submit(key string, event any) error {
 // the monitor cannot take (stopped, full, invalid) goes to the drop handler.
 func (m *Monitor) Backoff(key string, event any) {
 	m.mu.Lock()
-	_, err := m.accept(key, item{event: event}, true)
-	if err != nil {
-		d := m.refuse(key, event, err)
-		m.mu.Unlock()
-		m.emit(d)
-		return
+	var drops []Drop
+	if _, err := m.accept(key, item{event: event}, true); err != nil {
+		drops = m.refuse(key, item{event: event}, err)
 	}
 	m.changed()
 	m.mu.Unlock()
+	m.emit(drops...)
 }
 
 // accept validates an event and queues it, in backoff if asked. mu is held.

@@ -50,21 +50,6 @@ const (
 // call in flight, and a typo (1e6) should be an error, not gigabytes of stacks.
 const MaxWorkers = 4096
 
-func defaultConfig() config {
-	return config{
-		clock:          clock.RealClock{},
-		initialBackoff: DefaultInitialBackoff,
-		maxBackoff:     DefaultMaxBackoff,
-		workers:        1,
-		handleTimeout:  DefaultHandleTimeout,
-		maxOverruns:    DefaultMaxOverruns,
-		intakeLimit:    DefaultIntakeLimit,
-		resubInitial:   DefaultResubscribeInitial,
-		resubMax:       DefaultResubscribeMax,
-		logger:         log.L,
-	}
-}
-
 // WithNamespace keeps only envelopes of namespace ns, counting others as
 // Filtered. "" (the default) keeps all.
 func WithNamespace(ns string) Option { return func(c *config) { c.namespace = ns } }

@@ -14,7 +14,7 @@ import (
 type outcome struct {
 	failed error         // the handler's error; nil if the event did not fail
 	delay  time.Duration // the backoff the event now waits
-	drop   *Drop         // set when the monitor gave up on the event
+	drops  []Drop        // set when the monitor gave up on the event
 }
 
 // report gives a settled call's duration to the metrics, logs its overrun
@@ -37,9 +37,9 @@ func (m *Monitor) report(c *call, err error, end time.Time, out outcome, overran
 		entry.WithField("ran", m.cfg.clock.Since(c.start)).Warn("event handler returned after its deadline")
 	}
 	switch {
-	case out.drop != nil:
+	case out.drops != nil:
 		entry.WithError(out.failed).Warn("giving up on event")
-		m.emit(*out.drop)
+		m.emit(out.drops...)
 	case out.failed != nil:
 		entry.WithError(out.failed).WithField("delay", out.delay).Error("event handling failed; backing off")
 	}

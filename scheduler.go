@@ -10,12 +10,11 @@ import (
 	"github.com/eventmonitor/eventmonitor/internal/keyq"
 )
 
-// The scheduler watches the clock: it replays backoff queues when due and
-// ends calls at their deadline. Whoever changes what is due sets its one
-// timer, under mu, for the earliest of the two (retime, from changed); one
-// goroutine, started with the first thing to time and ended by Stop, waits
-// on it. 100 000 keys in backoff cost one timer and no scan; an idle
-// monitor holds no timer.
+// The scheduler replays backoff queues when due and ends calls at their
+// deadline. Whoever changes what is due sets its one timer, under mu, for
+// the earliest of the two (retime, from changed); one goroutine, started
+// with the first thing to time and ended by Stop, waits on it. 100 000 keys
+// in backoff cost one timer and no scan; an idle monitor holds no timer.
 
 // schedulerState is guarded by Monitor.mu.
 type schedulerState struct {
@@ -25,8 +24,8 @@ type schedulerState struct {
 }
 
 // wakeAt is when the scheduler must look next (zero: never): the first
-// retry due unless held or stopping, the first deadline of a call in time,
-// the first end of grace of a call past its deadline. mu is held.
+// retry due while running, the first deadline of a call in time, the first
+// end of grace of a call past its deadline. mu is held.
 func (m *Monitor) wakeAt() (at time.Time) {
 	earlier := func(t time.Time) {
 		if at.IsZero() || t.Before(at) {
@@ -36,11 +35,9 @@ func (m *Monitor) wakeAt() (at time.Time) {
 	if k := m.keys.Earliest(); k != nil && m.state == running {
 		earlier(k.Due())
 	}
-	if m.cfg.handleTimeout == 0 {
-		return at
-	}
 	for _, c := range m.calls {
 		switch {
+		case c.deadline.IsZero():
 		case c.runningIn(inTime):
 			earlier(c.deadline)
 		case c.runningIn(late):
@@ -58,9 +55,8 @@ func (m *Monitor) overrunAt(c *call) time.Time {
 }
 
 // retime keeps the timer set no later than wakeAt, and stopped when there
-// is nothing to time. A timer earlier than needed is left (a call's end
-// leaves its deadline's timer): it fires early and the pass sets it again.
-// mu is held.
+// is nothing to time. A timer earlier than needed is left: it fires early
+// and the pass sets it again. mu is held.
 func (m *Monitor) retime() {
 	at, s := m.wakeAt(), &m.sched
 	switch {
@@ -110,12 +106,6 @@ func (s *schedulerState) stop() {
 	}
 }
 
-// overdue reports whether the timer is set for now or earlier: it fired
-// and the pass is yet to run, or a fake clock passed it unseen. mu is held.
-func (s *schedulerState) overdue(now time.Time) bool {
-	return !s.at.IsZero() && !s.at.After(now)
-}
-
 // poke makes the scheduler look now.
 func (m *Monitor) poke() {
 	select {
@@ -124,48 +114,41 @@ func (m *Monitor) poke() {
 	}
 }
 
-// schedule is the scheduler's goroutine.
-func (m *Monitor) schedule(fired <-chan time.Time) {
-	defer m.watchers.Done()
-	for more := true; more; more = m.pass() {
-		select {
-		case <-fired:
-		case <-m.sched.wake:
-		}
-	}
-}
-
-// pass replays what is due, expires calls past their deadline and sets
-// the timer again. It reports false once Stop left nothing to time.
-func (m *Monitor) pass() (more bool) {
-	m.mu.Lock()
-	now := m.cfg.clock.Now()
-	for k := m.keys.Earliest(); k != nil && m.state == running && !k.Due().After(now); k = m.keys.Earliest() {
-		m.replay(k)
-	}
-	overruns := m.expire(now)
-	if m.sched.overdue(now) {
-		m.sched.at = time.Time{} // changed sets it again
-		m.sched.stop()
-	}
-	m.changed()
-	more = m.state != stopped || len(m.calls) > 0
-	m.mu.Unlock()
-	for _, o := range overruns {
-		entry := m.cfg.logger.WithFields(o.fields)
-		entry.Warn("event handler overran its timeout; its key stays held until it returns")
-		if o.limited {
-			entry.WithField("limit", m.cfg.maxOverruns).
-				Error("too many handler calls overrunning their timeout (WithMaxOverruns): this one keeps its worker")
-		}
-	}
-	return more
-}
-
 // replay starts k's backoff replay. mu is held.
 func (m *Monitor) replay(k *keyq.Key[item]) {
 	m.keys.Replay(k)
 	m.stats.Retried++
+}
+
+// schedule is the scheduler's goroutine: a pass each time the timer fires
+// or it is poked, until Stop left nothing to time.
+func (m *Monitor) schedule(fired <-chan time.Time) {
+	defer m.watchers.Done()
+	for more := true; more; {
+		select {
+		case <-fired:
+		case <-m.sched.wake:
+		}
+		m.mu.Lock()
+		now := m.cfg.clock.Now()
+		for k := m.keys.Earliest(); k != nil && m.state == running && !k.Due().After(now); k = m.keys.Earliest() {
+			m.replay(k)
+		}
+		stuck := m.expire(now)
+		m.sched.at = time.Time{} // changed sets it afresh
+		m.sched.stop()
+		m.changed()
+		more = m.state != stopped || len(m.calls) > 0
+		m.mu.Unlock()
+		for _, o := range stuck {
+			entry := m.cfg.logger.WithFields(o.fields)
+			entry.Warn("event handler overran its timeout; its key stays held until it returns")
+			if o.limited {
+				entry.WithField("limit", m.cfg.maxOverruns).
+					Error("too many handler calls overrunning their timeout (WithMaxOverruns): this one keeps its worker")
+			}
+		}
+	}
 }
 
 // overrun is the log line of a call newly past its deadline and grace.
@@ -175,9 +158,9 @@ type overrun struct {
 }
 
 // expire ends the context of calls past their deadline and, after the
-// grace, marks them overran and has replaceStuck give their slots to new
-// workers. mu is held.
-func (m *Monitor) expire(now time.Time) []overrun {
+// grace, marks them overran and gives their slots to new workers,
+// returning their log lines. mu is held.
+func (m *Monitor) expire(now time.Time) (lines []overrun) {
 	var stuck []*call
 	for _, c := range m.calls {
 		if c.deadline.IsZero() || now.Before(c.deadline) || !c.runningIn(inTime, late) {
@@ -193,24 +176,18 @@ func (m *Monitor) expire(now time.Time) []overrun {
 		}
 	}
 	m.replaceStuck()
-	var out []overrun
-	for _, c := range stuck {
-		// At Stop no slot is given away, and no limit was reached.
-		out = append(out, overrun{limited: c.seat == ownSlot && m.state != stopped, fields: log.Fields{
+	for _, c := range stuck { // at Stop no slot is given away, and no limit was reached
+		lines = append(lines, overrun{limited: c.seat == ownSlot && m.state != stopped, fields: log.Fields{
 			"key": c.key.Name(), "running": now.Sub(c.start), "replaced": c.seat == gaveSlot}})
 	}
-	return out
+	return lines
 }
 
 // replaceStuck gives the worker slots of overran calls to new workers, so
 // that n keys keep moving with WithWorkers(n), while fewer than
 // WithMaxOverruns calls are replaced: each costs a goroutine until it
-// returns. One the bound left holding its slot is replaced once a replaced
-// one returns. mu is held.
+// returns. mu is held.
 func (m *Monitor) replaceStuck() {
-	if m.state == stopped {
-		return
-	}
 	replaced := 0
 	for _, c := range m.calls {
 		if c.seat == gaveSlot && c.stage == overran {
@@ -218,7 +195,7 @@ func (m *Monitor) replaceStuck() {
 		}
 	}
 	for _, c := range m.calls {
-		if c.stage == overran && c.seat == ownSlot && replaced < m.cfg.maxOverruns {
+		if c.stage == overran && c.seat == ownSlot && replaced < m.cfg.maxOverruns && m.state != stopped {
 			c.seat = gaveSlot
 			replaced++
 		}

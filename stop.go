@@ -75,7 +75,7 @@ func (m *Monitor) abandon(why string, stages ...stage) {
 		}
 		c.stage = abandoned
 		m.abandonedDrops = append(m.abandonedDrops,
-			m.dropCall(c, fmt.Errorf("%w: handler %s, abandoned", ErrStopped, why)))
+			m.drop(c.key.Name(), fmt.Errorf("%w: handler %s, abandoned", ErrStopped, why), c.it)...)
 		return true
 	})
 	if len(m.calls) < before {
@@ -96,16 +96,14 @@ func (m *Monitor) finishStop() {
 	m.keys.Keys(func(k *keyq.Key[item]) { names = append(names, k.Name()) })
 	slices.Sort(names)
 	for _, name := range names {
-		drops = append(drops, m.dropByOrigin(name, m.keys.Forget(name))...)
+		drops = append(drops, m.drop(name, ErrStopped, m.keys.Forget(name)...)...)
 	}
 	m.changed()
 	m.poke() // the scheduler leaves: nothing is left to time
 	lifetime := m.stream.lifetime
 	m.mu.Unlock()
 	m.watchers.Wait()
-	for _, d := range drops {
-		m.emit(d)
-	}
+	m.emit(drops...)
 	if lifetime != nil {
 		close(lifetime)
 	}
@@ -147,8 +145,7 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	// which may yet return or be abandoned (by this stop or a Stop begun
 	// meanwhile); and whether a Stop began first, cutting the drain short.
 	drained := m.state == draining && m.drained()
-	_, inBackoff := m.keys.InBackoff()
-	cut, left := drainer && m.drainCut, m.keys.Queued()+inBackoff
+	cut, left := drainer && m.drainCut, m.keys.Events()
 	calls := slices.Clone(m.calls)
 	m.beginStop()
 	m.mu.Unlock()
@@ -179,28 +176,18 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 }
 
 // drained reports whether nothing is left to drain. mu is held.
-func (m *Monitor) drained() bool {
-	_, inBackoff := m.keys.InBackoff()
-	return len(m.calls) == 0 && m.keys.Queued()+inBackoff == 0
-}
+func (m *Monitor) drained() bool { return len(m.calls) == 0 && m.keys.Events() == 0 }
 
-// drainable reports whether a drain can still move: a call not overran
-// may finish, or a ready key has a free slot. mu is held.
+// drainable reports whether a drain can still move: a call not stuck
+// (overran and still running: a returned one settles once it has the
+// lock) may finish, or a ready key has a free slot. mu is held.
 func (m *Monitor) drainable() bool {
-	moving := len(m.calls) - m.stuck()
-	return moving > 0 || m.keys.HasReady() && m.slotsHeld() < m.cfg.workers
-}
-
-// stuck is how many calls overran and are still running: a returned one
-// settles as soon as it has the lock. mu is held.
-func (m *Monitor) stuck() int {
-	n := 0
 	for _, c := range m.calls {
-		if c.runningIn(overran) {
-			n++
+		if !c.runningIn(overran) {
+			return true
 		}
 	}
-	return n
+	return m.keys.HasReady() && m.slotsHeld() < m.cfg.workers
 }
 
 // releaseHold ends WithDeferredStart's hold. mu is held.

@@ -3,6 +3,7 @@ package eventmonitor
 import (
 	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -223,9 +224,11 @@ func (m *Monitor) runOnce(ctx context.Context, s Subscriber, filters []string, r
 	return delivered, err
 }
 
+var errResyncPanic = errors.New("resync hook panicked")
+
 // resync runs the WithResync hook, turning a panic into an error.
 func (m *Monitor) resync(ctx context.Context, hook func(context.Context) error) (err error) {
-	defer panicToErr(&err, "resync hook panicked: %v")
+	defer catch(&err, errResyncPanic)
 	return checked(hook(ctx))
 }
 

@@ -17,11 +17,12 @@ type backoff struct {
 	delay      time.Duration
 	due        time.Time // when the replay starts; kept while the key waits
 	replayLeft int       // replay events at the queue's head not yet taken
-	begun      bool      // the replay's first event was taken
-	inCall     bool      // the call in progress is the replay's
-	progressed bool      // a call of the replay ended: a failure now is not its first event's
+	taken      int       // replay events taken so far: a Running key's call is the replay's
 	next       time.Time // set by PushBackoff during the replay: due once it ends
 }
+
+// inCall reports whether k's call in progress is its replay's.
+func (k *Key[T]) inCall() bool { return k.phase == Running && k.backoff.taken > 0 }
 
 // Due is when a key in backoff replays (past while it replays).
 func (k *Key[T]) Due() time.Time {

@@ -89,6 +89,9 @@ func (s *Set[T]) Keys(fn func(*Key[T])) {
 	}
 }
 
+// Events is the number of events held, in backoff or not.
+func (s *Set[T]) Events() int { return s.events }
+
 // Queued is the number of events waiting outside backoff.
 func (s *Set[T]) Queued() int { return s.events - s.backoffEvents }
 
@@ -129,7 +132,7 @@ func (s *Set[T]) Push(name string, it T) *Key[T] {
 func (s *Set[T]) PushBackoff(name string, it T, now time.Time) *Key[T] {
 	k := s.Push(name, it)
 	if b := k.backoff; b != nil {
-		if (b.replayLeft > 0 || b.inCall) && b.next.IsZero() {
+		if (b.replayLeft > 0 || k.inCall()) && b.next.IsZero() {
 			b.next = s.dueAfter(now, s.delays.Initial)
 		}
 		return k
@@ -158,9 +161,8 @@ func (s *Set[T]) take(k *Key[T]) (it T, replayStart bool) {
 	s.moveTo(k, Running)
 	it = k.pop()
 	if b := k.backoff; b != nil && b.replayLeft > 0 {
-		replayStart, b.begun = !b.begun, true
-		b.replayLeft--
-		b.inCall = true
+		replayStart = b.taken == 0
+		b.replayLeft, b.taken = b.replayLeft-1, b.taken+1
 	}
 	s.count(k)
 	return it, replayStart
@@ -182,8 +184,7 @@ func (s *Set[T]) TakeAlone(k *Key[T]) (it T, ok bool) {
 // call or replay), is Ready, or Idle.
 func (s *Set[T]) Done(k *Key[T]) {
 	s.uncount(k)
-	if b := k.backoff; b != nil && b.inCall {
-		b.inCall, b.progressed = false, true
+	if b := k.backoff; b != nil && k.inCall() {
 		if b.replayLeft == 0 {
 			k.backoff = nil
 			if !b.next.IsZero() {
@@ -209,9 +210,10 @@ func (s *Set[T]) Done(k *Key[T]) {
 func (s *Set[T]) Failed(k *Key[T], it T, now time.Time) {
 	s.uncount(k)
 	k.items = slices.Insert(k.items, 0, it) // failures are rare: a copy is fine
-	if b := k.backoff; b != nil && b.inCall && !b.progressed {
+	// The replay's first call failed: its event failed before, or came by PushBackoff.
+	if b := k.backoff; b != nil && k.inCall() && b.taken == 1 {
 		b.delay = doubled(b.delay, s.delays.Max)
-		b.due, b.inCall, b.replayLeft, b.next = s.dueAfter(now, b.delay), false, 0, time.Time{}
+		b.due, b.taken, b.replayLeft, b.next = s.dueAfter(now, b.delay), 0, 0, time.Time{}
 	} else {
 		k.backoff = &backoff{delay: s.delays.Initial, due: s.dueAfter(now, s.delays.Initial)}
 	}
@@ -222,7 +224,7 @@ func (s *Set[T]) Failed(k *Key[T], it T, now time.Time) {
 // Replay makes Waiting k Ready, every event it holds now its replay.
 func (s *Set[T]) Replay(k *Key[T]) {
 	s.uncount(k)
-	k.backoff.replayLeft, k.backoff.begun, k.backoff.progressed = len(k.items), false, false
+	k.backoff.replayLeft, k.backoff.taken = len(k.items), 0
 	s.moveTo(k, Ready)
 	s.count(k)
 }
