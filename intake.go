@@ -4,9 +4,20 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/containerd/log"
+	"github.com/containerd/typeurl/v2"
 )
+
+// Envelope is one event as a subscriber delivers it (the fields of
+// containerd's events.Envelope).
+type Envelope struct {
+	Timestamp time.Time
+	Namespace string
+	Topic     string
+	Event     typeurl.Any
+}
 
 // maxIgnoredURLs bounds the ignored type URLs remembered for logging once.
 const maxIgnoredURLs = 256

@@ -8,18 +8,8 @@ import (
 	"sync"
 	"time"
 
-	"github.com/containerd/typeurl/v2"
 	"k8s.io/utils/clock"
 )
-
-// Envelope is one event as a subscriber delivers it (the fields of
-// containerd's events.Envelope).
-type Envelope struct {
-	Timestamp time.Time
-	Namespace string
-	Topic     string
-	Event     typeurl.Any
-}
 
 // Subscriber is a source of envelopes, such as containerd's events service.
 // The stream ends when ctx ends; a broken stream sends one error on errs.
