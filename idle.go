@@ -22,8 +22,8 @@ func (m *Monitor) NextRetry() (time.Time, bool) {
 // WaitIdle waits until the monitor has done all it can: no call running or
 // being settled, no key waiting for a worker, no envelope being accepted,
 // no replay due at the clock's now, and a timer set no later than the next
-// retry (none if no key waits: only Run's re-subscription delay may then
-// hold a fake clock's waiter).
+// retry (none if no key waits: only Run, waiting to re-subscribe or before
+// a resync, may then hold a fake clock's waiter).
 // Keys waiting for a later retry remain (see NextRetry). It returns ctx's
 // error if ctx ends first, ErrStopped if Stop began while work was left. A
 // held monitor (WithDeferredStart) is idle with its events queued, and

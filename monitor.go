@@ -195,7 +195,7 @@ func (m *Monitor) Backoff(key string, event any) {
 // accept validates an event and queues it, in backoff if asked. mu is held.
 func (m *Monitor) accept(key string, it item, backoff bool) (*keyq.Key[item], error) {
 	switch {
-	case !m.state.accepts():
+	case !m.state.accepts(), it.origin == nil && m.intake.Err() != nil: // Shutdown began: only envelopes the reader took
 		return nil, ErrStopped
 	case key == "":
 		return nil, fmt.Errorf("%w: empty key", ErrInvalidEvent)

@@ -135,8 +135,10 @@ func (m *Monitor) schedule(fired <-chan time.Time) {
 			m.replay(k)
 		}
 		stuck := m.expire(now)
-		m.sched.at = time.Time{} // changed sets it afresh
-		m.sched.stop()
+		if at := m.sched.at; !at.IsZero() && !at.After(now) { // only an overdue timer: a poke leaves a correct one be
+			m.sched.at = time.Time{} // changed sets it afresh
+			m.sched.stop()
+		}
 		m.changed()
 		more = m.state != stopped || len(m.calls) > 0
 		m.mu.Unlock()

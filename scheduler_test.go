@@ -467,3 +467,81 @@ func timerHistoryRun(t *testing.T, seed uint64) {
 	assertBalanced(t, s)
 	require.Zero(t, s.Queued+s.EventsInBackoff+s.InFlight, "seed %d: %+v", seed, s)
 }
+
+// stopWatchClock counts, while watching, Stops of a timer still pending:
+// the monitor stopping a correct timer, not yet due.
+type stopWatchClock struct {
+	*testclock.FakeClock
+	watching atomic.Bool
+	stopped  atomic.Int64
+}
+
+// Now is slow while watching: the monitor reads the clock in retime,
+// between the pass's stop and its Reset, widening that window.
+func (c *stopWatchClock) Now() time.Time {
+	if c.watching.Load() {
+		time.Sleep(100 * time.Microsecond)
+	}
+	return c.FakeClock.Now()
+}
+
+func (c *stopWatchClock) Since(t time.Time) time.Duration { return c.Now().Sub(t) }
+
+func (c *stopWatchClock) NewTimer(d time.Duration) clock.Timer {
+	return &stopWatchTimer{Timer: c.FakeClock.NewTimer(d), c: c}
+}
+
+type stopWatchTimer struct {
+	clock.Timer
+	c *stopWatchClock
+}
+
+func (t *stopWatchTimer) Stop() bool {
+	r := t.Timer.Stop()
+	if r && t.c.watching.Load() {
+		t.c.stopped.Add(1)
+	}
+	return r
+}
+
+// After WaitIdle, with the fake clock still and a key waiting in backoff,
+// the timer stays on the clock. Two WaitIdles finding the timer overdue at
+// a Step each poke; the second poke stays buffered, and its pass, run after
+// both returned idle, must not stop the correct timer to set it again.
+func TestABufferedPokeLeavesACorrectTimerAlone(t *testing.T) {
+	clk := &stopWatchClock{FakeClock: testclock.NewFakeClock(epoch)}
+	h := newHarness(t, HandlerFunc(func(_ context.Context, e any) error {
+		if keyOf(e) == "z" {
+			return errors.New("stays in backoff")
+		}
+		return nil
+	}), WithClock(clk), WithBackoff(time.Second, time.Hour), WithHandleTimeout(0))
+	require.NoError(t, h.m.Submit("z", ev{"z", 0})) // z waits: 1 s, 2 s, ...
+	h.settled(t)
+	var falseReads atomic.Int64
+	for round := 0; round < 1000; round++ {
+		h.m.Backoff(fmt.Sprint("k", round), ev{fmt.Sprint("k", round), round}) // due in 1 s: the timer
+		h.settled(t)
+		due, ok := h.m.NextRetry()
+		require.True(t, ok)
+		clk.SetTime(due)
+		var wg sync.WaitGroup
+		for range 2 {
+			wg.Add(1)
+			go func() { defer wg.Done(); h.settled(t) }()
+		}
+		wg.Wait()
+		clk.watching.Store(true)
+		deadline := time.Now().Add(2 * time.Millisecond)
+		_, waiting := h.m.NextRetry() // z waits an hour: no poll may take mu
+		for time.Now().Before(deadline) {
+			if waiting && !clk.HasWaiters() {
+				falseReads.Add(1)
+			}
+		}
+		clk.watching.Store(false)
+	}
+	require.Zero(t, clk.stopped.Load()+falseReads.Load(),
+		"idle, clock still: %d stops of a pending timer, %d reads of no waiter with a key in backoff",
+		clk.stopped.Load(), falseReads.Load())
+}

@@ -378,3 +378,68 @@ func TestShutdownDrainsAnEnvelopeTakenBeforeIt(t *testing.T) {
 	assert.Empty(t, h.drops.all())
 	assert.EqualValues(t, 1, h.m.Stats().Handled)
 }
+
+// A reader waiting for intake room as Shutdown begins is woken by intake's
+// end and queues its envelope, which Shutdown drains: no hang, nil,
+// nothing dropped; for Start's reader and Run's.
+func TestShutdownDrainsWhatAReaderWaitingForRoomHeld(t *testing.T) {
+	for _, viaRun := range []bool{false, true} {
+		for range 10 {
+			release := make(chan struct{})
+			h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error { <-release; return nil }),
+				WithConverter(testConverter), WithIntakeLimit(1), WithWorkers(1))
+			ch := make(chan *Envelope, 3)
+			for _, k := range []string{"a", "b", "c"} {
+				ch <- envelope(t, "ns", wrapperspb.String(k))
+			}
+			sub := SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) { return ch, nil })
+			if viaRun {
+				go func() { _ = h.m.Run(context.Background(), sub) }()
+			} else {
+				h.m.Subscribe(sub)
+				h.m.Start()
+			}
+			waitFor(t, func() bool {
+				h.m.mu.Lock()
+				defer h.m.mu.Unlock()
+				return h.m.stream.accepting == 1 && len(ch) == 0 && h.m.keys.Queued() == 1
+			}, "the reader waits for room with c")
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			shut := make(chan error, 1)
+			go func() { shut <- h.m.Shutdown(ctx) }()
+			waitFor(t, func() bool { return h.m.intake.Err() != nil }, "intake ended")
+			close(release)
+			require.NoError(t, <-shut)
+			cancel()
+			s := h.m.Stats()
+			assert.EqualValues(t, 3, s.Handled, "%+v", s)
+			assert.Empty(t, h.drops.all())
+			assertBalanced(t, s)
+		}
+	}
+}
+
+// While Shutdown waits for an envelope the reader took (here in a slow
+// converter) to be queued, intake has ended for everything else: Submit
+// returns ErrStopped.
+func TestShutdownRefusesSubmitWhileItWaitsForTheReader(t *testing.T) {
+	entered, release := make(chan struct{}), make(chan struct{})
+	conv := ConverterFunc(func(typeurl.Any) (string, any, error) {
+		close(entered)
+		<-release
+		return "a", ev{"a", 0}, nil
+	})
+	h := newHarness(t, newRecorder(), WithConverter(conv))
+	ch := make(chan *Envelope, 1)
+	ch <- &Envelope{Topic: "/t", Event: payload(t, wrapperspb.String("a"))}
+	h.m.Subscribe(SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) { return ch, nil }))
+	h.m.Start()
+	<-entered
+	shut := make(chan error, 1)
+	go func() { shut <- h.m.Shutdown(context.Background()) }()
+	waitFor(t, func() bool { return h.m.intake.Err() != nil }, "Shutdown began: intake ended")
+	err := h.m.Submit("late", ev{"late", 1})
+	close(release)
+	require.NoError(t, <-shut)
+	require.ErrorIs(t, err, ErrStopped, "Submit after Shutdown began (handled: %d)", h.m.Stats().Handled)
+}

@@ -15,7 +15,8 @@
 //
 // While a handler call runs, its deadline holds a timer on the clock, so
 // FakeClock.HasWaiters is true then; an idle monitor holds none unless a key
-// waits in backoff. Tests should not use HasWaiters to learn whether a retry
+// waits in backoff or Run waits (to re-subscribe, or before a resync). Tests
+// should not use HasWaiters to learn whether a retry
 // is scheduled: use NextRetry or Monitor.Pending.
 package eventmonitortest
 
