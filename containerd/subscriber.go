@@ -133,8 +133,7 @@ func (d *socketDialer) failure() error {
 // `namespace==k8s.io`; see Filters) and pass through to the daemon. A stream
 // that breaks delivers its gRPC error on errs, then both channels close;
 // when ctx ends they close without an error. Nothing outlives ctx.
-// Subscribe returns once the stream is open or refused, having waited up
-// to 200 ms for the connection.
+// Subscribe returns once the stream is open or refused, or after 400 ms.
 //
 // If conn is a *grpc.ClientConn, every subscription first wakes the
 // connection's reconnection (see wakeConnection), so that after a daemon
@@ -157,7 +156,13 @@ type wakeable interface {
 
 // connectWait bounds how long wakeConnection waits for a connection to
 // come up: a local socket connects in milliseconds when the daemon is up.
-const connectWait = 200 * time.Millisecond
+// openWait bounds how long Subscribe waits for the stream: a daemon that
+// accepts the socket but does not answer would hold it for gRPC's connect
+// timeout (20 s).
+const (
+	connectWait = 200 * time.Millisecond
+	openWait    = 2 * connectWait
+)
 
 // wakeConnection makes conn try to connect now, and waits (at most
 // connectWait) while it is trying. Resetting the backoff only starts an
@@ -187,29 +192,38 @@ type subscriber struct {
 	conn   wakeable // nil unless the connection can be woken
 }
 
-// Subscribe opens the stream before it returns, so that a daemon still
-// down refuses at once: Run counts a subscription not refused within the
-// initial resubscribe delay as established, and relists (WithResync).
+// Subscribe waits, up to openWait, for the stream to open or be refused,
+// so that a daemon still down refuses at once: Run counts a subscription
+// not refused within the initial resubscribe delay as established, and
+// relists (WithResync).
 func (s *subscriber) Subscribe(ctx context.Context, filters ...string) (<-chan *eventmonitor.Envelope, <-chan error) {
 	// A little buffer lets the reader hand over a burst without a goroutine
 	// switch per event; the monitor's intake limit still bounds the rest.
 	ch := make(chan *eventmonitor.Envelope, streamBuffer)
 	errs := make(chan error, 1)
-	wakeConnection(ctx, s.conn)
-	stream, err := s.client.Subscribe(ctx, &eventsapi.SubscribeRequest{Filters: filters})
-	if err != nil {
-		err = fmt.Errorf("containerd: subscribe: %w", err)
-	}
+	opened := make(chan struct{})
 	go func() {
 		defer close(ch)
 		defer close(errs)
-		if err == nil {
+		wakeConnection(ctx, s.conn)
+		stream, err := s.client.Subscribe(ctx, &eventsapi.SubscribeRequest{Filters: filters})
+		close(opened) // open or refused: the error follows at once
+		if err != nil {
+			err = fmt.Errorf("containerd: subscribe: %w", err)
+		} else {
 			err = read(ctx, stream, ch)
 		}
 		if err != nil && ctx.Err() == nil {
 			errs <- err
 		}
 	}()
+	wait := time.NewTimer(openWait)
+	defer wait.Stop()
+	select {
+	case <-opened:
+	case <-wait.C:
+	case <-ctx.Done():
+	}
 	return ch, errs
 }
 

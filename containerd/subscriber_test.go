@@ -210,3 +210,35 @@ func TestNoResyncWhileTheDaemonIsDown(t *testing.T) {
 	t.Logf("resubscribed %d times, resync hook called %d times", m.Stats().Resubscribed, resyncs)
 	assert.Zero(t, resyncs, "the daemon never came back: no subscription was established, yet the hook relisted")
 }
+
+// A daemon that accepts the socket but does not answer (hung, or still
+// starting its gRPC server) keeps the connection connecting, and opening
+// a stream on it blocks for gRPC's connect timeout (20 s). Subscribe, which
+// Monitor.Subscribe and Run call on their goroutine, returns in 400 ms.
+func TestSubscribeDoesNotWaitForAHungDaemon(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "hung.sock")
+	l, err := net.Listen("unix", sock)
+	require.NoError(t, err)
+	defer l.Close()
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			defer c.Close() // accepted, never answered
+		}
+	}()
+	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	start := time.Now()
+	_, errs := containerd.NewSubscriber(conn).Subscribe(ctx)
+	took := time.Since(start)
+	cancel()
+	for range errs {
+	}
+	require.Less(t, took, time.Second, "Subscribe returned after %v", took)
+}
