@@ -31,7 +31,7 @@ const UnknownExitCode = 255
 // ended (the exit is then not handled) or Stop began while it waited; an
 // exit handled in the watcher's goroutine closes it when its handler
 // returns, even one Stop abandoned (so does containerd's stopCh). An exit
-// arriving during Shutdown's drain, or waiting in exitCh when Stop begins,
+// arriving once Shutdown began, or waiting in exitCh when Stop begins,
 // is dropped with ErrStopped; once Stop began, a watcher reads no more (a
 // WatchExit then returns a closed channel), and an exit sent later stays
 // in exitCh. A nil m, exitCh or event panics at once, not in the goroutine.

@@ -443,3 +443,90 @@ func TestShutdownRefusesSubmitWhileItWaitsForTheReader(t *testing.T) {
 	require.NoError(t, <-shut)
 	require.ErrorIs(t, err, ErrStopped, "Submit after Shutdown began (handled: %d)", h.m.Stats().Handled)
 }
+
+// While Shutdown waits for an envelope the reader took, a Backoff and an
+// exit (no caller to refuse them to) are refused: each must be Received
+// and Dropped with ErrStopped, reaching the drop handler; the identity holds.
+func TestShutdownRefusesBackoffAndExitsWhileItWaitsForTheReader(t *testing.T) {
+	entered, release := make(chan struct{}), make(chan struct{})
+	conv := ConverterFunc(func(typeurl.Any) (string, any, error) {
+		close(entered)
+		<-release
+		return "a", ev{"a", 0}, nil
+	})
+	r := newRecorder()
+	h := newHarness(t, r, WithConverter(conv))
+	ch := make(chan *Envelope, 1)
+	ch <- &Envelope{Topic: "/t", Event: payload(t, wrapperspb.String("a"))}
+	h.m.Subscribe(SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) { return ch, nil }))
+	h.m.Start()
+	<-entered
+	exitCh := make(chan fakeExit, 1)
+	watched := WatchExit(context.Background(), h.m, "x", exitCh, func(code uint32, _ time.Time) any { return ev{"x", int(code)} })
+	shut := make(chan error, 1)
+	go func() { shut <- h.m.Shutdown(context.Background()) }()
+	waitFor(t, func() bool { return h.m.intake.Err() != nil }, "Shutdown began")
+	h.m.Backoff("b", ev{"b", 1})
+	exitCh <- fakeExit{code: 7}
+	<-watched
+	h.m.mu.Lock()
+	st := h.m.state
+	h.m.mu.Unlock()
+	require.Equal(t, running, st, "still waiting for the reader")
+	close(release)
+	require.NoError(t, <-shut)
+	s := h.m.Stats()
+	assertBalanced(t, s)
+	assert.EqualValues(t, 3, s.Received, "%+v", s)
+	assert.EqualValues(t, 2, s.Dropped, "%+v", s)
+	assert.EqualValues(t, 1, s.Handled, "%+v", s)
+	keys := map[string]bool{}
+	for _, d := range h.drops.all() {
+		assert.ErrorIs(t, d.Reason, ErrStopped)
+		keys[d.Key] = true
+	}
+	assert.Equal(t, map[string]bool{"b": true, "x": true}, keys)
+}
+
+// Under a flood (the stream always has an envelope ready), Shutdown does
+// not wait on the reader for ever: it sees intake end within a few
+// envelopes, which the drain then handles.
+func TestShutdownEndsUnderAFlood(t *testing.T) {
+	for _, viaRun := range []bool{false, true} {
+		for range 10 {
+			h := newHarness(t, HandlerFunc(func(context.Context, any) error { return nil }),
+				WithConverter(testConverter), WithLogger(quietLogger()))
+			ch := make(chan *Envelope, 64)
+			stopFeed, fed := make(chan struct{}), make(chan struct{})
+			env := envelope(t, "ns", wrapperspb.String("k"))
+			go func() {
+				defer close(fed)
+				for {
+					select {
+					case ch <- env:
+					case <-stopFeed:
+						return
+					}
+				}
+			}()
+			sub := SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) { return ch, nil })
+			ran := make(chan struct{})
+			if viaRun {
+				go func() { defer close(ran); _ = h.m.Run(context.Background(), sub) }()
+			} else {
+				close(ran)
+				h.m.Subscribe(sub)
+				h.m.Start()
+			}
+			waitFor(t, func() bool { return h.m.Stats().Received > 100 }, "flowing")
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			err := h.m.Shutdown(ctx)
+			cancel()
+			close(stopFeed)
+			<-fed
+			<-ran
+			require.NoError(t, err, "through Run: %v", viaRun)
+			assertBalanced(t, h.m.Stats())
+		}
+	}
+}

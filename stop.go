@@ -110,13 +110,14 @@ func (m *Monitor) finishStop() {
 	close(m.done)
 }
 
-// Shutdown stops intake (Submit returns ErrStopped; envelopes the stream
-// reader took are queued first), handles everything queued, replays every
-// backoff queue once at once, then Stops. An event
-// failing meanwhile, or still waiting at the stop, is dropped with
-// ErrStopped. Overrunning calls do not hold it up: once nothing else can
-// move, it stops. If ctx ends first it stops at once, abandoning every
-// call in progress (a returned call's report is still waited for).
+// Shutdown stops intake (Submit, Backoff and exits are refused with
+// ErrStopped; envelopes the stream reader takes until it sees intake end
+// are queued), handles everything queued, replays every backoff queue once
+// at once, then Stops. An event failing meanwhile, or still waiting at the
+// stop, is dropped with ErrStopped. Overrunning calls do not hold it up:
+// once nothing else can move, it stops. If ctx ends first it stops at once,
+// abandoning every call in progress (a returned call's report, and a
+// converter still running, are still waited for, as Stop does).
 //
 // It returns nil once its drain is done, or if a Stop had already begun;
 // ctx's error if ctx ended first; otherwise an error wrapping ErrStopped

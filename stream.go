@@ -110,7 +110,7 @@ func (m *Monitor) Start() <-chan error {
 // mu is held.
 func (m *Monitor) beginReading() error {
 	switch {
-	case !m.state.accepts():
+	case !m.state.accepts(), m.intake.Err() != nil: // Shutdown began
 		return ErrStopped
 	case m.cfg.converter == nil:
 		return ErrNoConverter

@@ -133,7 +133,9 @@ func (d *socketDialer) failure() error {
 // `namespace==k8s.io`; see Filters) and pass through to the daemon. A stream
 // that breaks delivers its gRPC error on errs, then both channels close;
 // when ctx ends they close without an error. Nothing outlives ctx.
-// Subscribe returns once the stream is open or refused, or after 400 ms.
+// Subscribe returns once the stream is open or refused, or after 400 ms: a
+// daemon that takes the socket but has not answered by then is not taken
+// as refusing, so Run may relist (WithResync) before it answers.
 //
 // If conn is a *grpc.ClientConn, every subscription first wakes the
 // connection's reconnection (see wakeConnection), so that after a daemon
