@@ -24,7 +24,8 @@ const maxIgnoredURLs = 256
 
 var (
 	// errFiltered marks an envelope of another namespace: counted, not accepted.
-	errFiltered       = errors.New("eventmonitor: envelope of another namespace")
+	errFiltered = errors.New("eventmonitor: envelope of another namespace")
+	// errConverterPanic drops an envelope whose conversion panicked.
 	errConverterPanic = fmt.Errorf("%w: converter panicked", ErrInvalidEvent)
 )
 
@@ -107,9 +108,6 @@ func (m *Monitor) admit(ctx context.Context, env *Envelope, key string, event an
 func (m *Monitor) firstIgnored(url string) bool {
 	if m.stream.ignoredURLs[url] || len(m.stream.ignoredURLs) >= maxIgnoredURLs {
 		return false
-	}
-	if m.stream.ignoredURLs == nil {
-		m.stream.ignoredURLs = make(map[string]bool)
 	}
 	m.stream.ignoredURLs[url] = true
 	return true
