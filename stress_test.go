@@ -175,9 +175,9 @@ type evRecord struct {
 	status     acceptance
 	calls      int     // handler calls started
 	failures   int     // calls that returned an error or panicked
-	lateFails  int     // of those, calls that overran and returned after Stop began
+	lateFails  int     // of those, calls that may have overrun: Stop may have abandoned them
 	successes  int     // calls that returned nil
-	lateOK     bool    // a success that overran and returned after Stop began
+	lateOK     bool    // a success of a call that may have overrun: Stop may have abandoned it
 	drops      []error // reasons of the drops that carried it
 	forgotten  int     // times Forget returned it
 	lastReturn bool    // the last call has returned
@@ -486,8 +486,9 @@ func (l *ledger) check() totals {
 		}
 		endings := r.successes + len(r.drops) + r.forgotten
 		// A call abandoned by Stop at its deadline: the monitor dropped its
-		// event with ErrStopped and then the handler returned nil. That
-		// success is not an ending (nor counted in Stats().Handled).
+		// event with ErrStopped, and the handler returned nil (after, or
+		// just before, as the worker had not yet noted it). That success is
+		// not an ending (nor counted in Stats().Handled).
 		abandonedOK := r.lateOK && r.successes == 1 && len(r.drops) == 1 &&
 			errors.Is(r.drops[0], eventmonitor.ErrStopped)
 		if abandonedOK {
@@ -566,7 +567,9 @@ func (h *stressHandler) HandleEvent(ctx context.Context, e any) (err error) {
 		}
 		// The monitor's deadline started a little before this call's
 		// start: half the timeout is a safe bound for "may have overrun".
-		late := h.cfg.timeout > 0 && time.Since(start) > h.cfg.timeout/2 && h.stopBegan.Load()
+		// Stop may abandon such a call even though it returns before Stop
+		// begins: until the worker notes the return, it still runs.
+		late := h.cfg.timeout > 0 && time.Since(start) > h.cfg.timeout/2
 		h.l.callEnd(se, err, late)
 		if r != nil {
 			panic(r)
