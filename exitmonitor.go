@@ -124,7 +124,7 @@ func (m *Monitor) handleExit(key string, s ExitStatus, received bool, build func
 	m.mu.Lock()
 	var k *keyq.Key[item]
 	if err == nil {
-		k, err = m.accept(key, item{event: event}, false)
+		k, err = m.accept(key, item{event: event}, submitted)
 	}
 	var c *call
 	var drops []Drop

@@ -86,7 +86,7 @@ func (m *Monitor) admit(ctx context.Context, env *Envelope, key string, event an
 		it.origin = &origin{env.Topic, env.Namespace}
 	}
 	if err == nil {
-		_, err = m.accept(key, it, false)
+		_, err = m.accept(key, it, streamed)
 	}
 	var drops []Drop
 	if err != nil {

@@ -170,7 +170,7 @@ func (m *Monitor) changed() {
 func (m *Monitor) Submit(key string, event any) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if _, err := m.accept(key, item{event: event}, false); err != nil {
+	if _, err := m.accept(key, item{event: event}, submitted); err != nil {
 		return err
 	}
 	m.changed()
@@ -184,7 +184,7 @@ func (m *Monitor) Submit(key string, event any) error {
 func (m *Monitor) Backoff(key string, event any) {
 	m.mu.Lock()
 	var drops []Drop
-	if _, err := m.accept(key, item{event: event}, true); err != nil {
+	if _, err := m.accept(key, item{event: event}, backedOff); err != nil {
 		drops = m.refuse(key, item{event: event}, err)
 	}
 	m.changed()
@@ -192,10 +192,21 @@ func (m *Monitor) Backoff(key string, event any) {
 	m.emit(drops...)
 }
 
-// accept validates an event and queues it, in backoff if asked. mu is held.
-func (m *Monitor) accept(key string, it item, backoff bool) (*keyq.Key[item], error) {
+// source is how an event reached the monitor.
+type source uint8
+
+const (
+	submitted source = iota // Submit, or an exit
+	backedOff               // Backoff: straight into its key's backoff
+	streamed                // an envelope the stream reader took
+)
+
+// accept validates an event and queues it. Once Shutdown or Stop was
+// called, only envelopes the reader already took are accepted, and those
+// only until the drain begins. mu is held.
+func (m *Monitor) accept(key string, it item, from source) (*keyq.Key[item], error) {
 	switch {
-	case !m.state.accepts(), it.origin == nil && m.intake.Err() != nil: // Shutdown began: only envelopes the reader took
+	case !m.state.accepts(), from != streamed && m.intake.Err() != nil:
 		return nil, ErrStopped
 	case key == "":
 		return nil, fmt.Errorf("%w: empty key", ErrInvalidEvent)
@@ -210,7 +221,7 @@ func (m *Monitor) accept(key string, it item, backoff bool) (*keyq.Key[item], er
 		}
 	}
 	m.stats.Received++
-	if backoff {
+	if from == backedOff {
 		return m.keys.PushBackoff(key, it, m.cfg.clock.Now()), nil
 	}
 	return m.keys.Push(key, it), nil
