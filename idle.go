@@ -39,10 +39,7 @@ func (m *Monitor) WaitIdle(ctx context.Context) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	for {
-		// The timer is never later than what it times: one not overdue
-		// leaves no replay due.
-		at := m.sched.at
-		overdue := !at.IsZero() && !at.After(m.cfg.clock.Now())
+		overdue := m.sched.overdue(m.cfg.clock.Now())
 		switch {
 		case len(m.calls) == 0 && m.stream.accepting == 0 && (m.state == held || !m.keys.HasReady()) && !overdue:
 			return nil

@@ -95,6 +95,14 @@ func (m *Monitor) retime() {
 	}
 }
 
+// overdue reports whether the timer is set for now or earlier: it fired
+// and the pass is yet to run, or a fake clock passed it unseen. The timer
+// is never later than what it times, so one not overdue leaves nothing
+// due. mu is held.
+func (s *schedulerState) overdue(now time.Time) bool {
+	return !s.at.IsZero() && !s.at.After(now)
+}
+
 // stop stops the timer. A fake clock's timer holds one value in its
 // channel, and its Step blocks on a second: drain it. mu is held.
 func (s *schedulerState) stop() {
@@ -135,7 +143,7 @@ func (m *Monitor) schedule(fired <-chan time.Time) {
 			m.replay(k)
 		}
 		stuck := m.expire(now)
-		if at := m.sched.at; !at.IsZero() && !at.After(now) { // only an overdue timer: a poke leaves a correct one be
+		if m.sched.overdue(now) { // only then: a poke leaves a correct timer be
 			m.sched.at = time.Time{} // changed sets it afresh
 			m.sched.stop()
 		}

@@ -357,23 +357,9 @@ func TestShutdownErrsOnlyForEventsItDropped(t *testing.T) {
 // An envelope the stream reader took before Shutdown was called is queued
 // and drained like the events before it, not dropped as intake ends.
 func TestShutdownDrainsAnEnvelopeTakenBeforeIt(t *testing.T) {
-	entered, release := make(chan struct{}), make(chan struct{})
-	conv := ConverterFunc(func(typeurl.Any) (string, any, error) {
-		close(entered)
-		<-release
-		return "a", ev{"a", 0}, nil
-	})
-	r := newRecorder()
-	h := newHarness(t, r, WithConverter(conv))
-	ch := make(chan *Envelope, 1)
-	ch <- &Envelope{Topic: "/tasks/exit", Event: payload(t, wrapperspb.String("a"))}
-	h.m.Subscribe(SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) { return ch, nil }))
-	h.m.Start()
-	<-entered
-	shut := make(chan error, 1)
-	go func() { shut <- h.m.Shutdown(context.Background()) }()
-	waitFor(t, func() bool { return h.m.intake.Err() != nil }, "Shutdown ended intake")
-	close(release)
+	h, release := readerInConverter(t)
+	shut := shutdownBegun(t, h, context.Background())
+	release()
 	require.NoError(t, <-shut)
 	assert.Empty(t, h.drops.all())
 	assert.EqualValues(t, 1, h.m.Stats().Handled)
@@ -405,9 +391,7 @@ func TestShutdownDrainsWhatAReaderWaitingForRoomHeld(t *testing.T) {
 				return h.m.stream.accepting == 1 && len(ch) == 0 && h.m.keys.Queued() == 1
 			}, "the reader waits for room with c")
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-			shut := make(chan error, 1)
-			go func() { shut <- h.m.Shutdown(ctx) }()
-			waitFor(t, func() bool { return h.m.intake.Err() != nil }, "intake ended")
+			shut := shutdownBegun(t, h, ctx)
 			close(release)
 			require.NoError(t, <-shut)
 			cancel()
@@ -423,23 +407,10 @@ func TestShutdownDrainsWhatAReaderWaitingForRoomHeld(t *testing.T) {
 // converter) to be queued, intake has ended for everything else: Submit
 // returns ErrStopped.
 func TestShutdownRefusesSubmitWhileItWaitsForTheReader(t *testing.T) {
-	entered, release := make(chan struct{}), make(chan struct{})
-	conv := ConverterFunc(func(typeurl.Any) (string, any, error) {
-		close(entered)
-		<-release
-		return "a", ev{"a", 0}, nil
-	})
-	h := newHarness(t, newRecorder(), WithConverter(conv))
-	ch := make(chan *Envelope, 1)
-	ch <- &Envelope{Topic: "/t", Event: payload(t, wrapperspb.String("a"))}
-	h.m.Subscribe(SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) { return ch, nil }))
-	h.m.Start()
-	<-entered
-	shut := make(chan error, 1)
-	go func() { shut <- h.m.Shutdown(context.Background()) }()
-	waitFor(t, func() bool { return h.m.intake.Err() != nil }, "Shutdown began: intake ended")
+	h, release := readerInConverter(t)
+	shut := shutdownBegun(t, h, context.Background())
 	err := h.m.Submit("late", ev{"late", 1})
-	close(release)
+	release()
 	require.NoError(t, <-shut)
 	require.ErrorIs(t, err, ErrStopped, "Submit after Shutdown began (handled: %d)", h.m.Stats().Handled)
 }
@@ -448,24 +419,10 @@ func TestShutdownRefusesSubmitWhileItWaitsForTheReader(t *testing.T) {
 // exit (no caller to refuse them to) are refused: each must be Received
 // and Dropped with ErrStopped, reaching the drop handler; the identity holds.
 func TestShutdownRefusesBackoffAndExitsWhileItWaitsForTheReader(t *testing.T) {
-	entered, release := make(chan struct{}), make(chan struct{})
-	conv := ConverterFunc(func(typeurl.Any) (string, any, error) {
-		close(entered)
-		<-release
-		return "a", ev{"a", 0}, nil
-	})
-	r := newRecorder()
-	h := newHarness(t, r, WithConverter(conv))
-	ch := make(chan *Envelope, 1)
-	ch <- &Envelope{Topic: "/t", Event: payload(t, wrapperspb.String("a"))}
-	h.m.Subscribe(SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) { return ch, nil }))
-	h.m.Start()
-	<-entered
+	h, release := readerInConverter(t)
 	exitCh := make(chan fakeExit, 1)
 	watched := WatchExit(context.Background(), h.m, "x", exitCh, func(code uint32, _ time.Time) any { return ev{"x", int(code)} })
-	shut := make(chan error, 1)
-	go func() { shut <- h.m.Shutdown(context.Background()) }()
-	waitFor(t, func() bool { return h.m.intake.Err() != nil }, "Shutdown began")
+	shut := shutdownBegun(t, h, context.Background())
 	h.m.Backoff("b", ev{"b", 1})
 	exitCh <- fakeExit{code: 7}
 	<-watched
@@ -473,7 +430,7 @@ func TestShutdownRefusesBackoffAndExitsWhileItWaitsForTheReader(t *testing.T) {
 	st := h.m.state
 	h.m.mu.Unlock()
 	require.Equal(t, running, st, "still waiting for the reader")
-	close(release)
+	release()
 	require.NoError(t, <-shut)
 	s := h.m.Stats()
 	assertBalanced(t, s)
@@ -529,4 +486,31 @@ func TestShutdownEndsUnderAFlood(t *testing.T) {
 			assertBalanced(t, h.m.Stats())
 		}
 	}
+}
+
+// readerInConverter returns a monitor whose Start reader took one envelope
+// (key "a") and is converting it, held until release is called.
+func readerInConverter(t *testing.T) (h *harness, release func()) {
+	entered, held := make(chan struct{}), make(chan struct{})
+	conv := ConverterFunc(func(typeurl.Any) (string, any, error) {
+		close(entered)
+		<-held
+		return "a", ev{"a", 0}, nil
+	})
+	h = newHarness(t, newRecorder(), WithConverter(conv))
+	ch := make(chan *Envelope, 1)
+	ch <- &Envelope{Topic: "/tasks/exit", Event: payload(t, wrapperspb.String("a"))}
+	h.m.Subscribe(SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) { return ch, nil }))
+	h.m.Start()
+	<-entered
+	return h, func() { close(held) }
+}
+
+// shutdownBegun calls Shutdown(ctx) in a goroutine and returns, once it
+// ended intake, the channel its result comes on.
+func shutdownBegun(t *testing.T, h *harness, ctx context.Context) <-chan error {
+	shut := make(chan error, 1)
+	go func() { shut <- h.m.Shutdown(ctx) }()
+	waitFor(t, func() bool { return h.m.intake.Err() != nil }, "Shutdown ended intake")
+	return shut
 }
