@@ -202,9 +202,15 @@ func TestNoResyncWhileTheDaemonIsDown(t *testing.T) {
 		}))
 	require.NoError(t, err)
 	defer m.Stop()
-	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	require.NoError(t, m.Run(ctx, containerd.NewSubscriber(conn)))
+	ran := make(chan error, 1)
+	go func() { ran <- m.Run(ctx, containerd.NewSubscriber(conn)) }()
+	const outages = 3 // each one a chance to take the refusal for an established subscription
+	require.Eventually(t, func() bool { return m.Stats().Resubscribed >= outages }, 30*time.Second, time.Millisecond,
+		"Run did not re-subscribe %d times against a missing daemon", outages)
+	cancel()
+	require.NoError(t, <-ran)
 	mu.Lock()
 	defer mu.Unlock()
 	t.Logf("resubscribed %d times, resync hook called %d times", m.Stats().Resubscribed, resyncs)
