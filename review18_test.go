@@ -5,6 +5,7 @@ package eventmonitor
 
 import (
 	"context"
+	"errors"
 	"sync/atomic"
 	"testing"
 
@@ -139,4 +140,28 @@ func TestReview18BareStartIsRefusedWhileShutdownWaitsForTheReader(t *testing.T) 
 	require.NoError(t, <-shut)
 	require.ErrorIs(t, <-ran, ErrStopped)
 	require.ErrorIs(t, got, ErrStopped, "a bare Start after Shutdown was called is not refused at once")
+}
+
+// Drop.Reason "wraps ErrDecode, ErrInvalidEvent, ErrMaxAttempts,
+// ErrQueueFull or ErrStopped", and errors.go: "Every error the monitor ...
+// puts in a Drop wraps one of these". An error of a Converter other than
+// NewConverter's (a ConverterFunc, containerd's own) is put in the Drop as
+// it is: it wraps none of them, so errors.Is finds no reason and the
+// prometheus collector labels the drop "other".
+func TestReview18ConverterErrorDropWrapsASentinel(t *testing.T) {
+	boom := errors.New("converter: no such field")
+	conv := ConverterFunc(func(typeurl.Any) (string, any, error) { return "", nil, boom })
+	h := newHarness(t, newRecorder(), WithConverter(conv))
+	ch := make(chan *Envelope, 1)
+	ch <- &Envelope{Topic: "/t", Namespace: "ns", Event: payload(t, wrapperspb.String("k"))}
+	h.m.Subscribe(SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) { return ch, nil }))
+	h.m.Start()
+	waitFor(t, func() bool { return len(h.drops.all()) == 1 }, "the envelope is dropped")
+	reason := h.drops.all()[0].Reason
+	require.ErrorIs(t, reason, boom, "the converter's error is kept")
+	var wrapsOne bool
+	for _, sentinel := range []error{ErrDecode, ErrInvalidEvent, ErrMaxAttempts, ErrQueueFull, ErrStopped} {
+		wrapsOne = wrapsOne || errors.Is(reason, sentinel)
+	}
+	assert.True(t, wrapsOne, "Drop.Reason %q wraps none of the documented sentinels", reason)
 }
