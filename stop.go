@@ -134,7 +134,7 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 		m.cond.Wait() // envelopes read before intake ended are queued, then drained
 	}
 	drainer := m.state != stopped // else a Stop left it nothing to drain
-	if m.state.accepts() {
+	if m.state.accepts() && ctx.Err() == nil { // ctx ended: no drain to start, stop at once
 		m.state = draining
 		m.changed()
 	}

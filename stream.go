@@ -72,7 +72,7 @@ func (m *Monitor) Subscribe(s Subscriber, filters ...string) {
 func (m *Monitor) Start() <-chan error {
 	m.mu.Lock()
 	sub := m.stream.subscribed
-	if sub == nil && m.state.accepts() {
+	if sub == nil && m.state.accepts() && m.intake.Err() == nil { // else refused: Shutdown was called
 		defer m.mu.Unlock()
 		if m.stream.lifetime == nil {
 			m.stream.lifetime = make(chan error)
