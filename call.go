@@ -25,6 +25,17 @@ const (
 	abandoned              // Stop gave up on it; its goroutine leaves unseen
 )
 
+// How far a call's goroutine got. Stop abandons only a call whose handler
+// has not returned (a returned one settles as soon as its goroutine has
+// mu), and withdraws one whose handler has not begun, which is then never
+// made: an event is not handled after it was dropped.
+const (
+	notBegun  int32 = iota
+	invoked         // the handler was called
+	returned        // the handler, and its error's methods, returned
+	withdrawn       // abandoned before its handler began
+)
+
 // seat is which worker slot, if any, a call runs in.
 type seat uint8
 
@@ -46,22 +57,17 @@ type call struct {
 	start       time.Time       // read only with a deadline or metrics
 	deadline    time.Time       // zero: none (WithHandleTimeout(0))
 	replayStart bool            // its event is the first of a replay: logged as a retry
-	// returned: the handler (and its error's methods) returned, so the call
-	// is no longer running: it is neither timed, marked late or overran,
-	// nor abandoned, but settled by its goroutine once it takes mu, which
-	// may be a while. Set without mu.
-	returned atomic.Bool
+	progress    atomic.Int32    // how far its goroutine got; set without mu
 
 	// Guarded by Monitor.mu.
 	seat  seat
 	stage stage
 }
 
-// runningIn reports whether c's handler is still running, in one of
-// stages. A returned call is not: it settles once its goroutine has mu.
-// mu is held.
+// runningIn reports whether c's handler has not returned, and c is in one
+// of stages. mu is held.
 func (c *call) runningIn(stages ...stage) bool {
-	return !c.returned.Load() && slices.Contains(stages, c.stage)
+	return c.progress.Load() != returned && slices.Contains(stages, c.stage)
 }
 
 // Deadline is the monitor clock's start plus the handle timeout.
@@ -127,11 +133,11 @@ func (m *Monitor) handle(c *call) (next *call) {
 	if c.replayStart {
 		m.logRetry(c)
 	}
-	if m.abandoned(c) { // last before the handler: nothing may come between
-		return nil // Stop gave up on it before it began, and accounted for it
+	if !c.progress.CompareAndSwap(notBegun, invoked) {
+		return nil // Stop withdrew it before it began, and accounted for it
 	}
 	ignored, err := m.invoke(c)
-	c.returned.Store(true)     // no user code is left: Stop waits, not abandons
+	c.progress.Store(returned) // no user code is left: Stop waits, not abandons
 	c.cancel(context.Canceled) // what the handler started with ctx stops
 	var end time.Time
 	if err != nil || m.cfg.metrics != nil {
@@ -161,20 +167,6 @@ func (m *Monitor) handle(c *call) (next *call) {
 	m.changed()
 	m.mu.Unlock()
 	return next
-}
-
-// abandoned reports whether Stop gave up on c: a call taken is not made
-// once its event is dropped. Only a Stop begun abandons, so until then no
-// lock is taken.
-func (m *Monitor) abandoned(c *call) bool {
-	select {
-	case <-m.stopping:
-	default:
-		return false
-	}
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	return c.stage == abandoned
 }
 
 // invoke calls the handler (ignored: its error is ErrUnsupportedEvent),

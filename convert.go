@@ -11,6 +11,9 @@ import (
 // Converter turns an envelope's payload into a typed event and its key.
 type Converter interface {
 	// Convert unmarshals the payload and names the key that orders and backs it off.
+	// An error wrapping ErrUnsupportedEvent ignores the envelope; any other
+	// drops it, with a reason wrapping ErrDecode unless the error wraps
+	// ErrDecode or ErrInvalidEvent itself.
 	Convert(payload typeurl.Any) (key string, event any, err error)
 }
 

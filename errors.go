@@ -51,7 +51,8 @@ var (
 	// ErrInvalidEvent: a nil envelope, payload or event, an empty or
 	// oversized key, or a panicking key function.
 	ErrInvalidEvent = errors.New("eventmonitor: invalid event")
-	// ErrDecode: the payload's bytes could not be unmarshalled.
+	// ErrDecode: the payload's bytes could not be unmarshalled, or a
+	// converter failed on them with an error of its own (wrapped).
 	ErrDecode = errors.New("eventmonitor: cannot decode event")
 	// ErrMaxAttempts: the event failed as many times as WithMaxAttempts allows.
 	ErrMaxAttempts = errors.New("eventmonitor: gave up after max attempts")

@@ -115,7 +115,8 @@ func (m *Monitor) firstIgnored(url string) bool {
 
 // convert filters env by namespace and runs the converter (ignored: its
 // error is ErrUnsupportedEvent), turning a panic (say, in a key function,
-// or in errors.Is) into ErrInvalidEvent.
+// or in errors.Is) into ErrInvalidEvent, and any other error that wraps
+// neither ErrDecode nor ErrInvalidEvent into ErrDecode.
 func (m *Monitor) convert(env *Envelope) (key string, event any, ignored bool, err error) {
 	defer catch(&err, errConverterPanic)
 	switch {
@@ -129,8 +130,11 @@ func (m *Monitor) convert(env *Envelope) (key string, event any, ignored bool, e
 	key, event, err = m.cfg.converter.Convert(env.Event)
 	err = checked(err)
 	ignored = errors.Is(err, ErrUnsupportedEvent)
-	if err == nil && event == nil {
+	switch {
+	case err == nil && event == nil:
 		err = fmt.Errorf("%w: converter returned a nil event", ErrInvalidEvent)
+	case err != nil && !ignored && !errors.Is(err, ErrDecode) && !errors.Is(err, ErrInvalidEvent):
+		err = fmt.Errorf("%w: %w", ErrDecode, err) // a Drop's reason wraps a sentinel
 	}
 	return key, event, ignored, err
 }

@@ -51,7 +51,7 @@ type Monitor struct {
 	mu       sync.Mutex
 	cond     sync.Cond
 	state    lifecycle
-	drainCut bool // Stop began while Shutdown's drain had work left
+	drainCut bool // Stop began, after Shutdown was called, with work left
 	keys     *keyq.Set[item]
 	calls    []*call // in progress or being settled, in start order
 	stats    Stats   // counters; the gauges are derived in Stats

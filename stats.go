@@ -22,8 +22,8 @@ type Stats struct {
 	// handler; Forgotten: events returned by Forget; Resubscribed: Run's resubscriptions.
 	Received, Filtered, Ignored, Handled, Failed, Retried, Dropped, Forgotten, Resubscribed uint64
 	// InFlight: running handler calls, including Overrunning: calls past
-	// their handle timeout, each still holding its key (see
-	// WithMaxOverruns); Queued: events waiting for a worker; KeysInBackoff,
+	// their handle timeout and its grace (see WithHandleTimeout), each
+	// still holding its key (see WithMaxOverruns); Queued: events waiting for a worker; KeysInBackoff,
 	// EventsInBackoff: keys and events waiting or replaying.
 	InFlight, Overrunning, Queued, KeysInBackoff, EventsInBackoff int
 }

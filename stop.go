@@ -49,11 +49,12 @@ func (m *Monitor) stop(ctx context.Context) {
 
 // beginStop ends intake and cancels every call. mu is held.
 func (m *Monitor) beginStop() {
+	shutdownCalled := m.intake.Err() != nil
 	m.endIntake()
 	if m.state == stopped {
 		return
 	}
-	m.drainCut = m.state == draining && !m.drained()
+	m.drainCut = shutdownCalled && !m.drained()
 	m.state = stopped
 	close(m.stopping)
 	for _, c := range m.calls {
@@ -73,6 +74,7 @@ func (m *Monitor) abandon(why string, stages ...stage) {
 		if !c.runningIn(stages...) {
 			return false
 		}
+		c.progress.CompareAndSwap(notBegun, withdrawn)
 		c.stage = abandoned
 		m.abandonedDrops = append(m.abandonedDrops,
 			m.drop(c.key.Name(), fmt.Errorf("%w: handler %s, abandoned", ErrStopped, why), c.it)...)
@@ -126,14 +128,14 @@ func (m *Monitor) finishStop() {
 // before the drain was done. An event that fails during the drain goes to
 // the drop handler; it is not in the error.
 func (m *Monitor) Shutdown(ctx context.Context) error {
-	m.endIntake()
 	ctx, done := m.waitingOn(ctx)
 	defer done()
 	m.mu.Lock()
+	drainer := m.state != stopped // else a Stop left it nothing to drain
+	m.endIntake()
 	for m.stream.accepting > 0 && ctx.Err() == nil {
 		m.cond.Wait() // envelopes read before intake ended are queued, then drained
 	}
-	drainer := m.state != stopped // else a Stop left it nothing to drain
 	if m.state.accepts() && ctx.Err() == nil { // ctx ended: no drain to start, stop at once
 		m.state = draining
 		m.changed()
