@@ -43,9 +43,9 @@ type call struct {
 	cancel      context.CancelCauseFunc
 	key         *keyq.Key[item] // its name never changes: read it anywhere
 	it          item            // its failures change only under mu, by the call's own goroutine
-	start       time.Time       // read only with a deadline or metrics
-	deadline    time.Time       // zero: none (WithHandleTimeout(0))
-	replayStart bool            // its event is the first of a replay: logged as a retry
+	start       time.Time
+	deadline    time.Time // zero: none (WithHandleTimeout(0))
+	replayStart bool      // its event is the first of a replay: logged as a retry
 	// returned: the handler (and its error's methods) returned, so the call
 	// is no longer running: it is neither timed, marked late or overran,
 	// nor abandoned, but settled by its goroutine once it takes mu, which
@@ -103,9 +103,7 @@ func (m *Monitor) takeReady() *call {
 func (m *Monitor) startCall(k *keyq.Key[item], it item, replayStart bool, s seat) *call {
 	c := &call{key: k, it: it, replayStart: replayStart, seat: s}
 	c.Context, c.cancel = context.WithCancelCause(m.base)
-	if m.cfg.handleTimeout > 0 || m.cfg.metrics != nil {
-		c.start = m.cfg.clock.Now()
-	}
+	c.start = m.cfg.clock.Now()
 	if m.cfg.handleTimeout > 0 {
 		c.deadline = c.start.Add(m.cfg.handleTimeout)
 	}
@@ -133,10 +131,7 @@ func (m *Monitor) handle(c *call) (next *call) {
 	ignored, err := m.invoke(c)
 	c.returned.Store(true)     // no user code is left: Stop waits, not abandons
 	c.cancel(context.Canceled) // what the handler started with ctx stops
-	var end time.Time
-	if err != nil || m.cfg.metrics != nil {
-		end = m.cfg.clock.Now()
-	}
+	end := m.cfg.clock.Now()
 	m.mu.Lock()
 	if c.stage == abandoned {
 		m.mu.Unlock()
@@ -155,9 +150,9 @@ func (m *Monitor) handle(c *call) (next *call) {
 		}
 	}
 	if c.seat == ownSlot {
-		next = m.takeReady() // before remove: the slot passes on, not back
+		next = m.takeReady() // before c leaves: its slot passes on, not back
 	}
-	m.removeCall(c)
+	m.calls = slices.DeleteFunc(m.calls, func(x *call) bool { return x == c })
 	m.changed()
 	m.mu.Unlock()
 	return next
@@ -226,17 +221,6 @@ func (m *Monitor) settle(c *call, err error, ignored bool, end time.Time) outcom
 	return outcome{failed: err, drops: m.drop(c.key.Name(), reason, c.it)}
 }
 
-// count is how many calls are in one of stages.
-func (m *Monitor) count(stages ...stage) int {
-	n := 0
-	for _, c := range m.calls {
-		if slices.Contains(stages, c.stage) {
-			n++
-		}
-	}
-	return n
-}
-
 // slotsHeld is how many worker slots the calls hold.
 func (m *Monitor) slotsHeld() int {
 	n := 0
@@ -246,11 +230,4 @@ func (m *Monitor) slotsHeld() int {
 		}
 	}
 	return n
-}
-
-// removeCall takes c out of the calls, and its slot with it. mu is held.
-func (m *Monitor) removeCall(c *call) {
-	if i := slices.Index(m.calls, c); i >= 0 {
-		m.calls = slices.Delete(m.calls, i, i+1)
-	}
 }

@@ -50,7 +50,16 @@ func (m *Monitor) Stats() Stats {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	s := m.stats
-	s.InFlight, s.Overrunning, s.Queued = m.count(inTime, late, overran), m.count(overran), m.keys.Queued()
+	for _, c := range m.calls {
+		switch c.stage {
+		case overran:
+			s.Overrunning++
+			fallthrough
+		case inTime, late:
+			s.InFlight++
+		}
+	}
+	s.Queued = m.keys.Queued()
 	s.KeysInBackoff, s.EventsInBackoff = m.keys.InBackoff()
 	return s
 }
