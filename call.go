@@ -131,7 +131,10 @@ func (m *Monitor) handle(c *call) (next *call) {
 	ignored, err := m.invoke(c)
 	c.returned.Store(true)     // no user code is left: Stop waits, not abandons
 	c.cancel(context.Canceled) // what the handler started with ctx stops
-	end := m.cfg.clock.Now()
+	var end time.Time
+	if err != nil || m.cfg.metrics != nil {
+		end = m.cfg.clock.Now()
+	}
 	m.mu.Lock()
 	if c.stage == abandoned {
 		m.mu.Unlock()

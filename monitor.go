@@ -144,12 +144,17 @@ func New(h Handler, opts ...Option) (*Monitor, error) {
 	return m, nil
 }
 
-// changed follows every change: a draining monitor replays all backoff at
-// once, stuck calls' slots go to new workers, workers start for ready keys
-// while slots are free, the scheduler follows, waiters wake. mu is held.
+// changed follows every change: backoff queues replay when due (a draining
+// monitor's all at once), stuck calls' slots go to new workers, workers
+// start for ready keys while slots are free, the scheduler follows, waiters
+// wake. mu is held.
 func (m *Monitor) changed() {
-	for k := m.keys.Earliest(); k != nil && m.state == draining; k = m.keys.Earliest() {
-		m.replay(k)
+	for k := m.keys.Earliest(); k != nil; k = m.keys.Earliest() {
+		if m.state != draining && (m.state != running || k.Due().After(m.cfg.clock.Now())) {
+			break
+		}
+		m.keys.Replay(k)
+		m.stats.Retried++
 	}
 	m.replaceStuck()
 	for free := m.cfg.workers - m.slotsHeld(); free > 0; free-- {

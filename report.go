@@ -34,7 +34,7 @@ func (m *Monitor) report(c *call, err error, end time.Time, out outcome, overran
 	}
 	entry := m.cfg.logger.WithFields(itemFields(c.key.Name(), c.it))
 	if overran {
-		entry.WithField("ran", end.Sub(c.start)).Warn("event handler returned after its deadline")
+		entry.WithField("ran", m.cfg.clock.Since(c.start)).Warn("event handler returned after its deadline")
 	}
 	switch {
 	case out.drops != nil:

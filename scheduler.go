@@ -6,8 +6,6 @@ import (
 
 	"github.com/containerd/log"
 	"k8s.io/utils/clock"
-
-	"github.com/eventmonitor/eventmonitor/internal/keyq"
 )
 
 // The scheduler replays backoff queues when due and ends calls at their
@@ -122,14 +120,9 @@ func (m *Monitor) poke() {
 	}
 }
 
-// replay starts k's backoff replay. mu is held.
-func (m *Monitor) replay(k *keyq.Key[item]) {
-	m.keys.Replay(k)
-	m.stats.Retried++
-}
-
-// schedule is the scheduler's goroutine: a pass each time the timer fires
-// or it is poked, until Stop left nothing to time.
+// schedule is the scheduler's goroutine: a pass (changed replays what is
+// due) each time the timer fires or it is poked, until Stop left nothing
+// to time.
 func (m *Monitor) schedule(fired <-chan time.Time) {
 	defer m.watchers.Done()
 	for more := true; more; {
@@ -139,9 +132,6 @@ func (m *Monitor) schedule(fired <-chan time.Time) {
 		}
 		m.mu.Lock()
 		now := m.cfg.clock.Now()
-		for k := m.keys.Earliest(); k != nil && m.state == running && !k.Due().After(now); k = m.keys.Earliest() {
-			m.replay(k)
-		}
 		stuck := m.expire(now)
 		if m.sched.overdue(now) { // only then: a poke leaves a correct timer be
 			m.sched.at = time.Time{} // changed sets it afresh
