@@ -8,11 +8,12 @@ import (
 	"k8s.io/utils/clock"
 )
 
-// The scheduler replays backoff queues when due and ends calls at their
-// deadline. Whoever changes what is due sets its one timer, under mu, for
-// the earliest of the two (retime, from changed); one goroutine, started
-// with the first thing to time and ended by Stop, waits on it. 100 000 keys
-// in backoff cost one timer and no scan; an idle monitor holds no timer.
+// The scheduler wakes when a backoff queue is due (changed replays it) and
+// ends calls at their deadline. Whoever changes what is due sets its one
+// timer, under mu, for the earliest of the two (retime, from changed); one
+// goroutine, started with the first thing to time and ended by Stop, waits
+// on it. 100 000 keys in backoff cost one timer and no scan; an idle
+// monitor holds no timer.
 
 // schedulerState is guarded by Monitor.mu.
 type schedulerState struct {
@@ -60,14 +61,12 @@ func (m *Monitor) retime() {
 	switch {
 	case at.IsZero():
 		if !s.at.IsZero() {
-			s.at = time.Time{}
 			s.stop()
 		}
 		return
 	case !s.at.IsZero() && !at.Before(s.at):
 		return // it fires no later than needed
 	}
-	s.at = at
 	// A timer counts from the clock's time when it is set, not from now: a
 	// fake clock stepped in between leaves it late, so it is set again
 	// while the clock moved (a real clock moves nanoseconds: near enough).
@@ -88,6 +87,7 @@ func (m *Monitor) retime() {
 			break
 		}
 	}
+	s.at = at
 	if !at.After(now) {
 		m.poke() // a fake clock's timer set for a time passed never fires
 	}
@@ -104,6 +104,7 @@ func (s *schedulerState) overdue(now time.Time) bool {
 // stop stops the timer. A fake clock's timer holds one value in its
 // channel, and its Step blocks on a second: drain it. mu is held.
 func (s *schedulerState) stop() {
+	s.at = time.Time{}
 	if s.timer != nil && !s.timer.Stop() {
 		select {
 		case <-s.timer.C():
@@ -134,8 +135,7 @@ func (m *Monitor) schedule(fired <-chan time.Time) {
 		now := m.cfg.clock.Now()
 		stuck := m.expire(now)
 		if m.sched.overdue(now) { // only then: a poke leaves a correct timer be
-			m.sched.at = time.Time{} // changed sets it afresh
-			m.sched.stop()
+			m.sched.stop() // changed sets it afresh
 		}
 		m.changed()
 		more = m.state != stopped || len(m.calls) > 0
