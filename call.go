@@ -46,10 +46,9 @@ type call struct {
 	start       time.Time
 	deadline    time.Time // zero: none (WithHandleTimeout(0))
 	replayStart bool      // its event is the first of a replay: logged as a retry
-	// returned: the handler (and its error's methods) returned, so the call
-	// is no longer running: it is neither timed, marked late or overran,
-	// nor abandoned, but settled by its goroutine once it takes mu, which
-	// may be a while. Set without mu.
+	// returned: the handler (and its error's methods) returned: no longer
+	// running (runningIn), the call is neither timed nor abandoned, and
+	// settles once its goroutine has mu. Set without mu.
 	returned atomic.Bool
 
 	// Guarded by Monitor.mu.
@@ -58,8 +57,7 @@ type call struct {
 }
 
 // runningIn reports whether c's handler is still running, in one of
-// stages. A returned call is not: it settles once its goroutine has mu.
-// mu is held.
+// stages. mu is held.
 func (c *call) runningIn(stages ...stage) bool {
 	return !c.returned.Load() && slices.Contains(stages, c.stage)
 }

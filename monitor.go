@@ -39,10 +39,8 @@ func (s lifecycle) handles() bool { return s == running || s == draining }
 // keys and per-key exponential backoff. Create it with New; release it with
 // Stop or Shutdown.
 //
-// mu guards the fields from cond to abandonedDrops. Every change ends in
-// changed, which starts workers, keeps the scheduler's timer right and
-// wakes all who wait on cond (Stop, Shutdown, WaitIdle, stream intake
-// waiting for room).
+// mu guards the fields from cond to abandonedDrops; every change under it
+// ends in changed, which also wakes all who wait on cond.
 type Monitor struct {
 	cfg     config
 	handler Handler
