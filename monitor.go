@@ -62,8 +62,7 @@ type Monitor struct {
 	endIntake context.CancelFunc
 	watchers  sync.WaitGroup // the scheduler, Start's reader, exit watchers while they wait
 	stopping  chan struct{}  // closed when Stop begins
-	stopOnce  sync.Once
-	done      chan struct{} // closed when Stop is done
+	stopOnce  sync.Once      // runs finishStop
 }
 
 // item is one accepted event in its key's queue; what only some need is
@@ -130,7 +129,6 @@ func New(h Handler, opts ...Option) (*Monitor, error) {
 		keys: keyq.New[item](keyq.Delays{Initial: cfg.initialBackoff, Max: cfg.maxBackoff,
 			Jitter: cfg.jitter, Rand: rand.Float64}),
 		stopping: make(chan struct{}),
-		done:     make(chan struct{}),
 	}
 	if cfg.deferredStart {
 		m.state = held

@@ -43,8 +43,7 @@ func (m *Monitor) stop(ctx context.Context) {
 		}
 	}
 	m.mu.Unlock()
-	m.stopOnce.Do(m.finishStop)
-	<-m.done
+	m.stopOnce.Do(m.finishStop) // a second Stop waits here for the first's
 }
 
 // beginStop ends intake and cancels every call. mu is held.
@@ -107,7 +106,6 @@ func (m *Monitor) finishStop() {
 	if lifetime != nil {
 		close(lifetime)
 	}
-	close(m.done)
 }
 
 // Shutdown stops intake (Submit, Backoff and exits are refused with
