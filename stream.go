@@ -238,7 +238,12 @@ func (m *Monitor) consume(ctx context.Context, sub *subscription, first chan str
 			return delivered, nil
 		case env, ok := <-sub.ch:
 			if !ok {
-				return delivered, checked(sub.closedErr())
+				select { // a subscriber may send its error and close both channels at once
+				case err := <-sub.errs:
+					return delivered, checked(cmp.Or(err, ErrStreamClosed))
+				default:
+					return delivered, ErrStreamClosed
+				}
 			}
 			if !delivered && first != nil {
 				close(first)
@@ -270,15 +275,4 @@ func (m *Monitor) takeBuffered(ctx context.Context, ch <-chan *Envelope) (delive
 		}
 	}
 	return delivered
-}
-
-// closedErr is the error of a stream whose envelope channel closed: a
-// subscriber may send its error and close both channels at once.
-func (s *subscription) closedErr() error {
-	select {
-	case err := <-s.errs:
-		return cmp.Or(err, ErrStreamClosed)
-	default:
-		return ErrStreamClosed
-	}
 }
