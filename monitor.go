@@ -62,6 +62,7 @@ type Monitor struct {
 	endIntake context.CancelFunc
 	watchers  sync.WaitGroup // the scheduler, Start's reader, exit watchers while they wait
 	stopping  chan struct{}  // closed when Stop begins
+	lifetime  chan error     // what a bare Start returns: closed when Stop is done
 	stopOnce  sync.Once      // runs finishStop
 }
 
@@ -129,6 +130,7 @@ func New(h Handler, opts ...Option) (*Monitor, error) {
 		keys: keyq.New[item](keyq.Delays{Initial: cfg.initialBackoff, Max: cfg.maxBackoff,
 			Jitter: cfg.jitter, Rand: rand.Float64}),
 		stopping: make(chan struct{}),
+		lifetime: make(chan error),
 	}
 	if cfg.deferredStart {
 		m.state = held

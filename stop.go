@@ -99,13 +99,10 @@ func (m *Monitor) finishStop() {
 	}
 	m.changed()
 	m.poke() // the scheduler leaves: nothing is left to time
-	lifetime := m.stream.lifetime
 	m.mu.Unlock()
 	m.watchers.Wait()
 	m.emit(drops...)
-	if lifetime != nil {
-		close(lifetime)
-	}
+	close(m.lifetime)
 }
 
 // Shutdown stops intake (Submit, Backoff and exits are refused with

@@ -26,7 +26,6 @@ func (f SubscriberFunc) Subscribe(ctx context.Context, filters ...string) (<-cha
 type streamState struct {
 	reading     bool            // a Run or Start's reader is reading a stream
 	subscribed  *subscription   // by Subscribe, for Start
-	lifetime    chan error      // what every bare Start returns; closed by Stop
 	accepting   int             // envelopes read and not yet accepted or dropped
 	ignoredURLs map[string]bool // type URLs ignored so far, for logging once
 }
@@ -71,11 +70,8 @@ func (m *Monitor) Start() <-chan error {
 	sub := m.stream.subscribed
 	if sub == nil && m.state.accepts() {
 		defer m.mu.Unlock()
-		if m.stream.lifetime == nil {
-			m.stream.lifetime = make(chan error)
-		}
 		m.releaseHold()
-		return m.stream.lifetime
+		return m.lifetime
 	}
 	err := m.beginReading()
 	if err == nil {
