@@ -12,8 +12,7 @@ import (
 // ends calls at their deadline. Whoever changes what is due sets its one
 // timer, under mu, for the earliest of the two (retime, from changed); one
 // goroutine, started with the first thing to time and ended by Stop, waits
-// on it. 100 000 keys in backoff cost one timer and no scan; an idle
-// monitor holds no timer.
+// on it. An idle monitor holds no timer.
 
 // schedulerState is guarded by Monitor.mu.
 type schedulerState struct {
