@@ -54,10 +54,10 @@ type call struct {
 	cancel      context.CancelCauseFunc
 	key         *keyq.Key[item] // its name never changes: read it anywhere
 	it          item            // its failures change only under mu, by the call's own goroutine
-	start       time.Time       // read only with a deadline or metrics
-	deadline    time.Time       // zero: none (WithHandleTimeout(0))
-	replayStart bool            // its event is the first of a replay: logged as a retry
-	progress    atomic.Int32    // how far its goroutine got; set without mu
+	start       time.Time
+	deadline    time.Time    // zero: none (WithHandleTimeout(0))
+	replayStart bool         // its event is the first of a replay: logged as a retry
+	progress    atomic.Int32 // how far its goroutine got; set without mu
 
 	// Guarded by Monitor.mu.
 	seat  seat
@@ -109,9 +109,7 @@ func (m *Monitor) takeReady() *call {
 func (m *Monitor) startCall(k *keyq.Key[item], it item, replayStart bool, s seat) *call {
 	c := &call{key: k, it: it, replayStart: replayStart, seat: s}
 	c.Context, c.cancel = context.WithCancelCause(m.base)
-	if m.cfg.handleTimeout > 0 || m.cfg.metrics != nil {
-		c.start = m.cfg.clock.Now()
-	}
+	c.start = m.cfg.clock.Now()
 	if m.cfg.handleTimeout > 0 {
 		c.deadline = c.start.Add(m.cfg.handleTimeout)
 	}
@@ -161,9 +159,9 @@ func (m *Monitor) handle(c *call) (next *call) {
 		}
 	}
 	if c.seat == ownSlot {
-		next = m.takeReady() // before remove: the slot passes on, not back
+		next = m.takeReady() // before c leaves: its slot passes on, not back
 	}
-	m.removeCall(c)
+	m.calls = slices.DeleteFunc(m.calls, func(x *call) bool { return x == c })
 	m.changed()
 	m.mu.Unlock()
 	return next
@@ -218,17 +216,6 @@ func (m *Monitor) settle(c *call, err error, ignored bool, end time.Time) outcom
 	return outcome{failed: err, drops: m.drop(c.key.Name(), reason, c.it)}
 }
 
-// count is how many calls are in one of stages.
-func (m *Monitor) count(stages ...stage) int {
-	n := 0
-	for _, c := range m.calls {
-		if slices.Contains(stages, c.stage) {
-			n++
-		}
-	}
-	return n
-}
-
 // slotsHeld is how many worker slots the calls hold.
 func (m *Monitor) slotsHeld() int {
 	n := 0
@@ -238,11 +225,4 @@ func (m *Monitor) slotsHeld() int {
 		}
 	}
 	return n
-}
-
-// removeCall takes c out of the calls, and its slot with it. mu is held.
-func (m *Monitor) removeCall(c *call) {
-	if i := slices.Index(m.calls, c); i >= 0 {
-		m.calls = slices.Delete(m.calls, i, i+1)
-	}
 }

@@ -15,8 +15,9 @@
 //     holds up another for long, and not at all while a worker is free.
 //   - Exact backoff: a failed event waits in its key's queue; the queue
 //     replays when due, doubling its delay after every replay that fails on
-//     that event, up to a cap, and resetting once the replay gets past it. Due times sit in a heap
-//     behind one clock timer: no periodic scan, no idle cost, no lateness.
+//     that event, up to a cap, and resetting once the replay gets past it.
+//     Due times sit in a heap behind one clock timer: no periodic scan, no
+//     idle cost, no lateness.
 //   - Nothing vanishes: every accepted event is handled, is still queued
 //     (Stats, Pending), was returned by Forget, or reaches the drop handler
 //     with a reason. Stop and Shutdown hand over what is left, and return

@@ -32,10 +32,12 @@ var (
 // take converts env without the lock and accepts it, waiting until ctx ends
 // while WithIntakeLimit events wait for a worker, so that a flood stays in
 // the runtime rather than in our memory. What cannot be accepted is dropped:
-// once Stop began, with ErrStopped.
+// once Stop began, with ErrStopped. An envelope of another namespace is
+// counted as filtered; one of a type nobody keys as ignored, its type
+// logged once.
 func (m *Monitor) take(ctx context.Context, env *Envelope) {
 	m.mu.Lock()
-	m.stream.accepting++ // WaitIdle and Stop wait for it
+	m.stream.accepting++ // WaitIdle and Stop wait for it, its drop included
 	m.mu.Unlock()
 	defer func() {
 		m.mu.Lock()
@@ -44,73 +46,48 @@ func (m *Monitor) take(ctx context.Context, env *Envelope) {
 		m.mu.Unlock()
 	}()
 	key, event, ignored, err := m.convert(env)
-	switch {
-	case err == errFiltered:
-		m.mu.Lock()
-		m.stats.Received++
-		m.stats.Filtered++
-		m.mu.Unlock()
-	case ignored:
-		m.ignore(env, err)
-	default:
-		m.admit(ctx, env, key, event, err)
-	}
-}
-
-// ignore counts an envelope of a type nobody keys, logging its type once.
-func (m *Monitor) ignore(env *Envelope, err error) {
-	var url string // the payload's code: not under mu, nor unguarded
-	m.protect("the payload's GetTypeUrl", "", func() { url = env.Event.GetTypeUrl() })
-	m.mu.Lock()
-	m.stats.Received++
-	m.stats.Ignored++
-	first := m.firstIgnored(url)
-	m.mu.Unlock()
-	if first {
-		m.cfg.logger.WithFields(log.Fields{"topic": env.Topic, "namespace": env.Namespace, "type": url}).
-			WithError(err).Debug("ignoring events of a type the converter has no key for; logged once per type")
-	}
-}
-
-// admit accepts a converted envelope's event, waiting for room, or drops
-// it (err: why it did not convert).
-func (m *Monitor) admit(ctx context.Context, env *Envelope, key string, event any, err error) {
-	m.mu.Lock()
-	if err == nil {
-		for m.state.accepts() && ctx.Err() == nil && m.keys.Queued() >= m.cfg.intakeLimit {
-			m.cond.Wait()
-		}
+	var url string
+	if ignored { // the payload's code: not under mu, nor unguarded
+		m.protect("the payload's GetTypeUrl", "", func() { url = env.Event.GetTypeUrl() })
 	}
 	it := item{event: event}
 	if env != nil {
 		it.origin = &origin{env.Topic, env.Namespace}
 	}
-	if err == nil {
-		_, err = m.accept(key, it, streamed)
-	}
+	m.mu.Lock()
 	var drops []Drop
-	if err != nil {
+	firstIgnored := false
+	switch {
+	case err == errFiltered:
+		m.stats.Received++
+		m.stats.Filtered++
+	case ignored:
+		m.stats.Received++
+		m.stats.Ignored++
+		firstIgnored = !m.stream.ignoredURLs[url] && len(m.stream.ignoredURLs) < maxIgnoredURLs
+		if firstIgnored {
+			m.stream.ignoredURLs[url] = true
+		}
+	case err == nil:
+		for m.state.accepts() && ctx.Err() == nil && m.keys.Queued() >= m.cfg.intakeLimit {
+			m.cond.Wait()
+		}
+		if _, err = m.accept(key, it, streamed); err != nil {
+			drops = m.refuse(key, it, err)
+		}
+	default:
 		drops = m.refuse(key, it, err)
 	}
 	m.mu.Unlock()
-	if err == nil {
-		return
-	}
-	if env != nil {
+	switch {
+	case firstIgnored:
+		m.cfg.logger.WithFields(log.Fields{"topic": env.Topic, "namespace": env.Namespace, "type": url}).
+			WithError(err).Debug("ignoring events of a type the converter has no key for; logged once per type")
+	case drops != nil && env != nil:
 		m.cfg.logger.WithFields(log.Fields{"topic": env.Topic, "namespace": env.Namespace, "key": key}).
 			WithError(err).Debug("envelope dropped")
 	}
 	m.emit(drops...)
-}
-
-// firstIgnored reports whether url is ignored for the first time, up to
-// maxIgnoredURLs. mu is held.
-func (m *Monitor) firstIgnored(url string) bool {
-	if m.stream.ignoredURLs[url] || len(m.stream.ignoredURLs) >= maxIgnoredURLs {
-		return false
-	}
-	m.stream.ignoredURLs[url] = true
-	return true
 }
 
 // convert filters env by namespace and runs the converter (ignored: its

@@ -39,10 +39,8 @@ func (s lifecycle) handles() bool { return s == running || s == draining }
 // keys and per-key exponential backoff. Create it with New; release it with
 // Stop or Shutdown.
 //
-// mu guards the fields from cond to abandonedDrops. Every change ends in
-// changed, which starts workers, keeps the scheduler's timer right and
-// wakes all who wait on cond (Stop, Shutdown, WaitIdle, stream intake
-// waiting for room).
+// mu guards the fields from cond to abandonedDrops; every change under it
+// ends in changed, which also wakes all who wait on cond.
 type Monitor struct {
 	cfg     config
 	handler Handler
@@ -64,8 +62,8 @@ type Monitor struct {
 	endIntake context.CancelFunc
 	watchers  sync.WaitGroup // the scheduler, Start's reader, exit watchers while they wait
 	stopping  chan struct{}  // closed when Stop begins
-	stopOnce  sync.Once
-	done      chan struct{} // closed when Stop is done
+	lifetime  chan error     // what a bare Start returns: closed when Stop is done
+	stopOnce  sync.Once      // runs finishStop
 }
 
 // item is one accepted event in its key's queue; what only some need is
@@ -132,7 +130,7 @@ func New(h Handler, opts ...Option) (*Monitor, error) {
 		keys: keyq.New[item](keyq.Delays{Initial: cfg.initialBackoff, Max: cfg.maxBackoff,
 			Jitter: cfg.jitter, Rand: rand.Float64}),
 		stopping: make(chan struct{}),
-		done:     make(chan struct{}),
+		lifetime: make(chan error),
 	}
 	if cfg.deferredStart {
 		m.state = held
@@ -144,12 +142,17 @@ func New(h Handler, opts ...Option) (*Monitor, error) {
 	return m, nil
 }
 
-// changed follows every change: a draining monitor replays all backoff at
-// once, stuck calls' slots go to new workers, workers start for ready keys
-// while slots are free, the scheduler follows, waiters wake. mu is held.
+// changed follows every change: backoff queues replay when due (a draining
+// monitor's all at once), stuck calls' slots go to new workers, workers
+// start for ready keys while slots are free, the scheduler follows, waiters
+// wake. mu is held.
 func (m *Monitor) changed() {
-	for k := m.keys.Earliest(); k != nil && m.state == draining; k = m.keys.Earliest() {
-		m.replay(k)
+	for k := m.keys.Earliest(); k != nil; k = m.keys.Earliest() {
+		if m.state != draining && (m.state != running || k.Due().After(m.cfg.clock.Now())) {
+			break
+		}
+		m.keys.Replay(k)
+		m.stats.Retried++
 	}
 	m.replaceStuck()
 	for free := m.cfg.workers - m.slotsHeld(); free > 0; free-- {

@@ -6,15 +6,13 @@ import (
 
 	"github.com/containerd/log"
 	"k8s.io/utils/clock"
-
-	"github.com/eventmonitor/eventmonitor/internal/keyq"
 )
 
-// The scheduler replays backoff queues when due and ends calls at their
-// deadline. Whoever changes what is due sets its one timer, under mu, for
-// the earliest of the two (retime, from changed); one goroutine, started
-// with the first thing to time and ended by Stop, waits on it. 100 000 keys
-// in backoff cost one timer and no scan; an idle monitor holds no timer.
+// The scheduler wakes when a backoff queue is due (changed replays it) and
+// ends calls at their deadline. Whoever changes what is due sets its one
+// timer, under mu, for the earliest of the two (retime, from changed); one
+// goroutine, started with the first thing to time and ended by Stop, waits
+// on it. An idle monitor holds no timer.
 
 // schedulerState is guarded by Monitor.mu.
 type schedulerState struct {
@@ -62,14 +60,12 @@ func (m *Monitor) retime() {
 	switch {
 	case at.IsZero():
 		if !s.at.IsZero() {
-			s.at = time.Time{}
 			s.stop()
 		}
 		return
 	case !s.at.IsZero() && !at.Before(s.at):
 		return // it fires no later than needed
 	}
-	s.at = at
 	// A timer counts from the clock's time when it is set, not from now: a
 	// fake clock stepped in between leaves it late, so it is set again
 	// while the clock moved (a real clock moves nanoseconds: near enough).
@@ -90,6 +86,7 @@ func (m *Monitor) retime() {
 			break
 		}
 	}
+	s.at = at
 	if !at.After(now) {
 		m.poke() // a fake clock's timer set for a time passed never fires
 	}
@@ -106,6 +103,7 @@ func (s *schedulerState) overdue(now time.Time) bool {
 // stop stops the timer. A fake clock's timer holds one value in its
 // channel, and its Step blocks on a second: drain it. mu is held.
 func (s *schedulerState) stop() {
+	s.at = time.Time{}
 	if s.timer != nil && !s.timer.Stop() {
 		select {
 		case <-s.timer.C():
@@ -122,14 +120,9 @@ func (m *Monitor) poke() {
 	}
 }
 
-// replay starts k's backoff replay. mu is held.
-func (m *Monitor) replay(k *keyq.Key[item]) {
-	m.keys.Replay(k)
-	m.stats.Retried++
-}
-
-// schedule is the scheduler's goroutine: a pass each time the timer fires
-// or it is poked, until Stop left nothing to time.
+// schedule is the scheduler's goroutine: a pass (changed replays what is
+// due) each time the timer fires or it is poked, until Stop left nothing
+// to time.
 func (m *Monitor) schedule(fired <-chan time.Time) {
 	defer m.watchers.Done()
 	for more := true; more; {
@@ -139,13 +132,9 @@ func (m *Monitor) schedule(fired <-chan time.Time) {
 		}
 		m.mu.Lock()
 		now := m.cfg.clock.Now()
-		for k := m.keys.Earliest(); k != nil && m.state == running && !k.Due().After(now); k = m.keys.Earliest() {
-			m.replay(k)
-		}
 		stuck := m.expire(now)
 		if m.sched.overdue(now) { // only then: a poke leaves a correct timer be
-			m.sched.at = time.Time{} // changed sets it afresh
-			m.sched.stop()
+			m.sched.stop() // changed sets it afresh
 		}
 		m.changed()
 		more = m.state != stopped || len(m.calls) > 0

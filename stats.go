@@ -28,29 +28,27 @@ type Stats struct {
 	InFlight, Overrunning, Queued, KeysInBackoff, EventsInBackoff int
 }
 
-// Where each term of the identity is counted, all under mu:
-//
-//	Received            accept (Submit, Backoff, exits, envelopes), refuse
-//	                    (an event with no caller to refuse it to), take
-//	                    (envelopes filtered or ignored)
-//	Filtered, Ignored   take; Ignored also in settle (ErrUnsupportedEvent)
-//	Handled             settle
-//	Dropped             drop, behind every Drop: refused, given up on,
-//	                    abandoned, left at Stop
-//	Forgotten           Forget
-//	Queued, InFlight,   derived below from keyq and the calls: an event
-//	EventsInBackoff     moves between them without being counted
-//
-// An event in the gauges leaves them once: into Handled or Ignored when
-// its call settles, Dropped when given up on or left at Stop, Forgotten by
-// Forget. A failure keeps it, back in its key's backoff.
+// The identity holds in every snapshot: counters move under mu, and the
+// gauges are derived from keyq and the calls, so an event moving between
+// them is not counted. An event leaves the gauges once: into Handled or
+// Ignored when its call settles, Dropped when given up on, abandoned or
+// left at Stop, Forgotten by Forget; a failure keeps it in backoff.
 
 // Stats returns a consistent snapshot of the counters and gauges.
 func (m *Monitor) Stats() Stats {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	s := m.stats
-	s.InFlight, s.Overrunning, s.Queued = m.count(inTime, late, overran), m.count(overran), m.keys.Queued()
+	for _, c := range m.calls {
+		switch c.stage {
+		case overran:
+			s.Overrunning++
+			fallthrough
+		case inTime, late:
+			s.InFlight++
+		}
+	}
+	s.Queued = m.keys.Queued()
 	s.KeysInBackoff, s.EventsInBackoff = m.keys.InBackoff()
 	return s
 }

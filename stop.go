@@ -43,8 +43,7 @@ func (m *Monitor) stop(ctx context.Context) {
 		}
 	}
 	m.mu.Unlock()
-	m.stopOnce.Do(m.finishStop)
-	<-m.done
+	m.stopOnce.Do(m.finishStop) // a second Stop waits here for the first's
 }
 
 // beginStop ends intake and cancels every call. mu is held.
@@ -102,14 +101,10 @@ func (m *Monitor) finishStop() {
 	}
 	m.changed()
 	m.poke() // the scheduler leaves: nothing is left to time
-	lifetime := m.stream.lifetime
 	m.mu.Unlock()
 	m.watchers.Wait()
 	m.emit(drops...)
-	if lifetime != nil {
-		close(lifetime)
-	}
-	close(m.done)
+	close(m.lifetime)
 }
 
 // Shutdown stops intake (Submit, Backoff and exits are refused with

@@ -6,9 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"sync"
-	"time"
-
-	"k8s.io/utils/clock"
 )
 
 // Subscriber is a source of envelopes, such as containerd's events service.
@@ -29,7 +26,6 @@ func (f SubscriberFunc) Subscribe(ctx context.Context, filters ...string) (<-cha
 type streamState struct {
 	reading     bool            // a Run or Start's reader is reading a stream
 	subscribed  *subscription   // by Subscribe, for Start
-	lifetime    chan error      // what every bare Start returns; closed by Stop
 	accepting   int             // envelopes read and not yet accepted or dropped
 	ignoredURLs map[string]bool // type URLs ignored so far, for logging once
 }
@@ -74,11 +70,8 @@ func (m *Monitor) Start() <-chan error {
 	sub := m.stream.subscribed
 	if sub == nil && m.state.accepts() && m.intake.Err() == nil { // else refused: Shutdown was called
 		defer m.mu.Unlock()
-		if m.stream.lifetime == nil {
-			m.stream.lifetime = make(chan error)
-		}
 		m.releaseHold()
-		return m.stream.lifetime
+		return m.lifetime
 	}
 	err := m.beginReading()
 	if err == nil {
@@ -191,24 +184,32 @@ func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) erro
 // is established, and waits for it. Established means it delivered or went
 // unrefused for the initial resubscribe delay: a daemon still down refuses at
 // once, and relisting against it would be wasted.
-func (m *Monitor) runOnce(ctx context.Context, s Subscriber, filters []string, resync bool) (delivered bool, err error) {
+func (m *Monitor) runOnce(ctx context.Context, s Subscriber, filters []string, outage bool) (delivered bool, err error) {
 	subCtx, cancelSub := context.WithCancel(ctx)
 	defer cancelSub()
 	ch, errs := s.Subscribe(subCtx, filters...)
-	var established func()
+	var first chan struct{} // closed by consume at the first envelope
 	var resyncs sync.WaitGroup
-	if hook := m.cfg.resync; resync && hook != nil {
-		established = func() {
-			resyncs.Add(1)
-			go func() {
-				defer resyncs.Done()
-				if err := m.resync(subCtx, hook); err != nil && subCtx.Err() == nil {
-					m.cfg.logger.WithError(err).Warn("resync after re-subscription failed")
-				}
-			}()
-		}
+	if hook := m.cfg.resync; outage && hook != nil {
+		first = make(chan struct{})
+		unrefused := m.cfg.clock.NewTimer(m.cfg.resubInitial)
+		resyncs.Add(1)
+		go func() {
+			defer resyncs.Done()
+			defer unrefused.Stop()
+			select {
+			case <-subCtx.Done():
+				return
+			case <-first:
+			case <-unrefused.C():
+			}
+			unrefused.Stop() // an idle monitor holds no timer
+			if err := m.resync(subCtx, hook); err != nil && subCtx.Err() == nil {
+				m.cfg.logger.WithError(err).Warn("resync after re-subscription failed")
+			}
+		}()
 	}
-	delivered, err = m.consume(subCtx, &subscription{ch: ch, errs: errs, cancel: cancelSub}, established)
+	delivered, err = m.consume(subCtx, &subscription{ch: ch, errs: errs, cancel: cancelSub}, first)
 	cancelSub()
 	resyncs.Wait()
 	return delivered, err
@@ -224,35 +225,26 @@ func (m *Monitor) resync(ctx context.Context, hook func(context.Context) error) 
 
 // consume reads sub until it breaks or ctx ends, reporting whether any
 // envelope arrived and the stream's error (nil when ctx ended or errs closed
-// without one). A non-nil established is called once sub is established.
-func (m *Monitor) consume(ctx context.Context, sub *subscription, established func()) (delivered bool, err error) {
+// without one). A non-nil first is closed at the first envelope.
+func (m *Monitor) consume(ctx context.Context, sub *subscription, first chan struct{}) (delivered bool, err error) {
 	defer context.AfterFunc(ctx, m.wakeWaiters)() // intake waiting for room gives up
-	var timer clock.Timer
-	var settled <-chan time.Time
-	if established != nil {
-		timer = m.cfg.clock.NewTimer(m.cfg.resubInitial)
-		defer timer.Stop()
-		settled = timer.C()
-	}
-	establish := func() {
-		if established != nil {
-			timer.Stop() // an idle monitor holds no timer
-			established()
-			established, settled = nil, nil
-		}
-	}
 	for {
 		select {
 		case <-ctx.Done():
 			return delivered, nil
-		case <-settled:
-			establish()
 		case env, ok := <-sub.ch:
 			if !ok {
-				return delivered, checked(sub.closedErr())
+				select { // a subscriber may send its error and close both channels at once
+				case err := <-sub.errs:
+					return delivered, checked(cmp.Or(err, ErrStreamClosed))
+				default:
+					return delivered, ErrStreamClosed
+				}
+			}
+			if !delivered && first != nil {
+				close(first)
 			}
 			delivered = true
-			establish()
 			m.take(ctx, env)
 		case err, ok := <-sub.errs:
 			if !ok || err != nil {
@@ -279,15 +271,4 @@ func (m *Monitor) takeBuffered(ctx context.Context, ch <-chan *Envelope) (delive
 		}
 	}
 	return delivered
-}
-
-// closedErr is the error of a stream whose envelope channel closed: a
-// subscriber may send its error and close both channels at once.
-func (s *subscription) closedErr() error {
-	select {
-	case err := <-s.errs:
-		return cmp.Or(err, ErrStreamClosed)
-	default:
-		return ErrStreamClosed
-	}
 }

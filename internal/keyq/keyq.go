@@ -16,11 +16,11 @@
 //
 // Backoff, rule by rule; a due time is the time passed in plus a delay:
 //
-//	Failed            the event goes back to the head and the key waits: the
+//	Failed            the event goes back to the head and the key waits the
 //	                  delay doubled (up to the cap) if the call was a
 //	                  replay's first (its event failed before, or came by
-//	                  PushBackoff); else
-//	                  the initial delay, so independent failures keep moving
+//	                  PushBackoff), else the initial delay, so independent
+//	                  failures keep moving
 //	Replay (when due) the events then queued are the replay; events pushed
 //	                  later wait behind it, outside it
 //	Done, replay's    the key leaves backoff, its delay reset
@@ -125,10 +125,8 @@ func (s *Set[T]) Push(name string, it T) *Key[T] {
 	return k
 }
 
-// PushBackoff appends it to key's queue and puts the key in backoff, due
-// the initial delay from now (a Running key starts waiting when its call
-// ends). A waiting key keeps its due time; a replaying one waits again
-// once its replay ends, until that due time.
+// PushBackoff appends it to key's queue and puts the key in backoff, as
+// the package doc's rule says.
 func (s *Set[T]) PushBackoff(name string, it T, now time.Time) *Key[T] {
 	k := s.Push(name, it)
 	if b := k.backoff; b != nil {
@@ -179,17 +177,15 @@ func (s *Set[T]) TakeAlone(k *Key[T]) (it T, ok bool) {
 	return it, true
 }
 
-// Done ends k's call, its event handled or given up on. The key leaves
-// backoff once its replay is done, then waits (a PushBackoff during the
-// call or replay), is Ready, or Idle.
+// Done ends k's call, its event handled or given up on. After a replay's
+// last call the key leaves backoff, then waits if PushBackoff came during
+// the replay.
 func (s *Set[T]) Done(k *Key[T]) {
 	s.uncount(k)
-	if b := k.backoff; b != nil && k.inCall() {
-		if b.replayLeft == 0 {
-			k.backoff = nil
-			if !b.next.IsZero() {
-				k.backoff = &backoff{delay: s.delays.Initial, due: b.next}
-			}
+	if b := k.backoff; b != nil && k.inCall() && b.replayLeft == 0 {
+		k.backoff = nil
+		if !b.next.IsZero() {
+			k.backoff = &backoff{delay: s.delays.Initial, due: b.next}
 		}
 	}
 	switch {
@@ -203,10 +199,10 @@ func (s *Set[T]) Done(k *Key[T]) {
 	s.count(k)
 }
 
-// Failed ends k's call with its event it back at the head; the key waits,
-// from now, the doubled delay if the call was a replay's first, else the
-// initial one (which replaces a wait PushBackoff gave during the call or
-// replay: it would be due no later).
+// Failed ends k's call with its event it back at the head; the key waits
+// from now, as the package doc's rule says. The initial delay replaces a
+// wait PushBackoff gave during the call or replay: that would be due no
+// later.
 func (s *Set[T]) Failed(k *Key[T], it T, now time.Time) {
 	s.uncount(k)
 	k.items = slices.Insert(k.items, 0, it) // failures are rare: a copy is fine
