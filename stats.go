@@ -23,8 +23,9 @@ type Stats struct {
 	Received, Filtered, Ignored, Handled, Failed, Retried, Dropped, Forgotten, Resubscribed uint64
 	// InFlight: running handler calls, including Overrunning: calls past
 	// their handle timeout and its grace (see WithHandleTimeout), each
-	// still holding its key (see WithMaxOverruns); Queued: events waiting for a worker; KeysInBackoff,
-	// EventsInBackoff: keys and events waiting or replaying.
+	// still holding its key (see WithMaxOverruns); Queued: events waiting
+	// for a worker; KeysInBackoff, EventsInBackoff: keys and events waiting
+	// or replaying.
 	InFlight, Overrunning, Queued, KeysInBackoff, EventsInBackoff int
 }
 

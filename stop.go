@@ -108,8 +108,8 @@ func (m *Monitor) finishStop() {
 }
 
 // Shutdown stops intake (Submit, Backoff and exits are refused with
-// ErrStopped; envelopes the stream reader takes until it sees intake end
-// are queued), handles everything queued, replays every backoff queue once
+// ErrStopped; it waits for the stream reader to see intake end, queueing
+// what it takes until then), handles everything queued, replays every backoff queue once
 // at once, then Stops. An event failing meanwhile, or still waiting at the
 // stop, is dropped with ErrStopped. Overrunning calls do not hold it up:
 // once nothing else can move, it stops. If ctx ends first it stops at once,
@@ -128,8 +128,8 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	m.mu.Lock()
 	drainer := m.state != stopped // else a Stop left it nothing to drain
 	m.endIntake()
-	for m.stream.accepting > 0 && ctx.Err() == nil {
-		m.cond.Wait() // envelopes read before intake ended are queued, then drained
+	for m.stream.reader == consuming && ctx.Err() == nil {
+		m.cond.Wait() // what the reader takes until it sees intake end is queued, then drained
 	}
 	if m.state.accepts() && ctx.Err() == nil { // ctx ended: no drain to start, stop at once
 		m.state = draining

@@ -24,11 +24,21 @@ func (f SubscriberFunc) Subscribe(ctx context.Context, filters ...string) (<-cha
 
 // streamState is stream intake's part of the monitor, guarded by its mu.
 type streamState struct {
-	reading     bool            // a Run or Start's reader is reading a stream
+	reader      reader
 	subscribed  *subscription   // by Subscribe, for Start
 	accepting   int             // envelopes read and not yet accepted or dropped
 	ignoredURLs map[string]bool // type URLs ignored so far, for logging once
 }
+
+// reader is where the one stream reader, a Run or a Start with a
+// subscription, is.
+type reader uint8
+
+const (
+	noReader  reader = iota
+	between          // subscribing, resyncing or waiting to re-subscribe: takes nothing
+	consuming        // in consume: Shutdown waits for it to see intake end
+)
 
 // subscription is one stream opened on a Subscriber.
 type subscription struct {
@@ -68,7 +78,7 @@ func (m *Monitor) Subscribe(s Subscriber, filters ...string) {
 func (m *Monitor) Start() <-chan error {
 	m.mu.Lock()
 	sub := m.stream.subscribed
-	if sub == nil && m.state.accepts() && m.intake.Err() == nil { // else refused: Shutdown was called
+	if sub == nil && m.intake.Err() == nil { // else refused: Shutdown or Stop was called
 		defer m.mu.Unlock()
 		m.releaseHold()
 		return m.lifetime
@@ -103,21 +113,24 @@ func (m *Monitor) Start() <-chan error {
 // mu is held.
 func (m *Monitor) beginReading() error {
 	switch {
-	case !m.state.accepts(), m.intake.Err() != nil: // Shutdown began
+	case m.intake.Err() != nil: // Shutdown or Stop was called
 		return ErrStopped
 	case m.cfg.converter == nil:
 		return ErrNoConverter
-	case m.stream.reading:
+	case m.stream.reader != noReader:
 		return ErrAlreadyRunning
 	}
-	m.stream.reading = true
+	m.stream.reader = between
 	m.releaseHold()
 	return nil
 }
 
-func (m *Monitor) doneReading() {
+func (m *Monitor) doneReading() { m.setReader(noReader) }
+
+func (m *Monitor) setReader(r reader) {
 	m.mu.Lock()
-	m.stream.reading = false
+	m.stream.reader = r
+	m.changed()
 	m.mu.Unlock()
 }
 
@@ -149,7 +162,7 @@ func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) erro
 	delay := m.cfg.resubInitial
 	for outage := false; ; outage = true {
 		delivered, err := m.runOnce(runCtx, s, filters, outage)
-		if runCtx.Err() != nil {
+		if runCtx.Err() != nil || m.intake.Err() != nil { // runCtx ends an instant after intake
 			break
 		}
 		if delivered {
@@ -225,8 +238,20 @@ func (m *Monitor) resync(ctx context.Context, hook func(context.Context) error) 
 
 // consume reads sub until it breaks or ctx ends, reporting whether any
 // envelope arrived and the stream's error (nil when ctx ended or errs closed
-// without one). A non-nil first is closed at the first envelope.
+// without one). A non-nil first is closed at the first envelope. It reads
+// only if intake is open as it begins: Shutdown, which ends intake, waits
+// for it to end only if it began.
 func (m *Monitor) consume(ctx context.Context, sub *subscription, first chan struct{}) (delivered bool, err error) {
+	m.mu.Lock()
+	open := m.intake.Err() == nil
+	if open {
+		m.stream.reader = consuming
+	}
+	m.mu.Unlock()
+	if !open {
+		return false, nil
+	}
+	defer m.setReader(between)
 	defer context.AfterFunc(ctx, m.wakeWaiters)() // intake waiting for room gives up
 	for {
 		select {
