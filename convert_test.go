@@ -1,6 +1,8 @@
 package eventmonitor
 
 import (
+	"context"
+	"errors"
 	"testing"
 
 	"github.com/containerd/typeurl/v2"
@@ -98,4 +100,26 @@ func TestConverterDecodesProtobufAndJSON(t *testing.T) {
 	assert.Nil(t, event)
 	_, _, err = conv.Convert(payload(t, wrapperspb.Int64(1)))
 	require.ErrorIs(t, err, ErrUnsupportedEvent, "a type without a key")
+}
+
+// Every Drop.Reason wraps a sentinel, so errors.Is (and the prometheus
+// collector's label) finds why: a converter's own error, wrapping none, is
+// dropped wrapped in ErrDecode and kept (review 18: it was dropped as it
+// was).
+func TestConverterErrorDropWrapsASentinel(t *testing.T) {
+	boom := errors.New("converter: no such field")
+	conv := ConverterFunc(func(typeurl.Any) (string, any, error) { return "", nil, boom })
+	h := newHarness(t, newRecorder(), WithConverter(conv))
+	ch := make(chan *Envelope, 1)
+	ch <- &Envelope{Topic: "/t", Namespace: "ns", Event: payload(t, wrapperspb.String("k"))}
+	h.m.Subscribe(SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) { return ch, nil }))
+	h.m.Start()
+	waitFor(t, func() bool { return len(h.drops.all()) == 1 }, "the envelope is dropped")
+	reason := h.drops.all()[0].Reason
+	require.ErrorIs(t, reason, boom, "the converter's error is kept")
+	var wrapsOne bool
+	for _, sentinel := range []error{ErrDecode, ErrInvalidEvent, ErrMaxAttempts, ErrQueueFull, ErrStopped} {
+		wrapsOne = wrapsOne || errors.Is(reason, sentinel)
+	}
+	assert.True(t, wrapsOne, "Drop.Reason %q wraps none of the documented sentinels", reason)
 }

@@ -6,6 +6,7 @@ import (
 	"runtime"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -515,4 +516,85 @@ func shutdownBegun(t *testing.T, h *harness, ctx context.Context) <-chan error {
 	go func() { shut <- h.m.Shutdown(ctx) }()
 	waitFor(t, func() bool { return h.m.intake.Err() != nil }, "Shutdown ended intake")
 	return shut
+}
+
+// A Stop that begins after Shutdown was called, while Shutdown waits for
+// an envelope the reader took, drops what Shutdown was to drain (here b/1,
+// queued behind a/1 on the one worker). Shutdown reports it, wrapping
+// ErrStopped: that Stop had not begun when Shutdown was called (review 18:
+// Shutdown decided so only after its wait, and returned nil).
+func TestShutdownReportsAStopBegunWhileItWaitedForTheReader(t *testing.T) {
+	entered, converting := make(chan struct{}), make(chan struct{})
+	conv := ConverterFunc(func(typeurl.Any) (string, any, error) {
+		close(entered)
+		<-converting
+		return "r", ev{"r", 0}, nil
+	})
+	r := newRecorder()
+	h := newHarness(t, r, WithConverter(conv))
+	started, release := r.gate(ev{"a", 1})
+	defer release()
+	h.submit(t, ev{"a", 1}, ev{"b", 1}) // b/1 waits for the one worker
+	<-started
+
+	ch := make(chan *Envelope, 1)
+	ch <- &Envelope{Topic: "/t", Event: payload(t, wrapperspb.String("r"))}
+	h.m.Subscribe(SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) { return ch, nil }))
+	h.m.Start()
+	<-entered // the reader holds an envelope: Shutdown waits for it
+
+	shut := shutdownBegun(t, h, context.Background())
+	stopped := make(chan struct{})
+	go func() { defer close(stopped); h.m.Stop() }()
+	waitFor(t, h.stopping, "Stop began")
+	release()         // a/1 returns: Stop's wait for calls ends
+	close(converting) // the envelope is refused: Stop and Shutdown go on
+	<-stopped
+	err := <-shut
+
+	reason, ok := dropReason(h, ev{"b", 1})
+	require.True(t, ok, "b/1 was dropped by the Stop: %+v", h.drops.all())
+	require.ErrorIs(t, reason, ErrStopped)
+	require.ErrorIs(t, err, ErrStopped, "Shutdown's drain never ran and b/1 was dropped, yet it returned %v", err)
+}
+
+// Shutdown whose ctx has already ended stops at once: it starts no drain.
+// The one event waits in backoff, not due; it is dropped with ErrStopped,
+// never replayed nor handed to the handler (review 18: the drain began,
+// replayed it at once, and the stop then abandoned the call, so the drop
+// blamed a running handler, and the handler sometimes ran after).
+func TestShutdownWithAnEndedCtxStartsNoCall(t *testing.T) {
+	var calls atomic.Int32
+	block := make(chan struct{})
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		calls.Add(1)
+		<-block
+		return nil
+	}))
+	defer close(block)
+	h.m.Backoff("a", ev{"a", 1}) // due at epoch+1s; the clock never moves
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	require.ErrorIs(t, h.m.Shutdown(ctx), context.Canceled)
+
+	reason, ok := dropReason(h, ev{"a", 1})
+	require.True(t, ok, "a/1 dropped")
+	require.ErrorIs(t, reason, ErrStopped)
+	s := h.m.Stats()
+	assert.Zero(t, s.Retried, "a replay started after Shutdown's ctx had ended: %+v", s)
+	assert.NotContains(t, reason.Error(), "still running",
+		"a/1 was waiting in backoff when Shutdown was called, not in a handler")
+	assert.Zero(t, calls.Load(), "handler called for an event dropped by a Shutdown whose ctx had ended")
+}
+
+// dropReason returns the reason e was dropped for, and whether it was.
+func dropReason(h *harness, e any) (error, bool) {
+	for _, d := range h.drops.all() {
+		for _, x := range d.Events {
+			if x == e {
+				return d.Reason, true
+			}
+		}
+	}
+	return nil, false
 }
