@@ -209,14 +209,15 @@ func (m *Monitor) runOnce(ctx context.Context, s Subscriber, filters []string, o
 		resyncs.Add(1)
 		go func() {
 			defer resyncs.Done()
-			defer unrefused.Stop()
 			select {
 			case <-subCtx.Done():
-				return
 			case <-first:
 			case <-unrefused.C():
 			}
 			unrefused.Stop() // an idle monitor holds no timer
+			if subCtx.Err() != nil {
+				return // refused, or ended: nothing to relist against
+			}
 			if err := m.resync(subCtx, hook); err != nil && subCtx.Err() == nil {
 				m.cfg.logger.WithError(err).Warn("resync after re-subscription failed")
 			}
