@@ -79,15 +79,11 @@ func (m *Monitor) take(ctx context.Context, env *Envelope) {
 		drops = m.refuse(key, it, err)
 	}
 	m.mu.Unlock()
-	switch {
-	case firstIgnored:
+	if firstIgnored {
 		m.cfg.logger.WithFields(log.Fields{"topic": env.Topic, "namespace": env.Namespace, "type": url}).
 			WithError(err).Debug("ignoring events of a type the converter has no key for; logged once per type")
-	case drops != nil && env != nil:
-		m.cfg.logger.WithFields(log.Fields{"topic": env.Topic, "namespace": env.Namespace, "key": key}).
-			WithError(err).Debug("envelope dropped")
 	}
-	m.emit(drops...)
+	m.emit(drops...) // the drop handler logs it, by default
 }
 
 // convert filters env by namespace and runs the converter (ignored: its
