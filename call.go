@@ -129,7 +129,7 @@ func (m *Monitor) work(c *call) {
 // next call its slot (if it holds one) takes on, under the same lock.
 func (m *Monitor) handle(c *call) (next *call) {
 	if c.replayStart {
-		m.logRetry(c)
+		m.logRetry(c) // before the CAS: a log hook may block, and only the handler may follow it
 	}
 	if !c.progress.CompareAndSwap(notBegun, invoked) {
 		return nil // Stop withdrew it before it began, and accounted for it

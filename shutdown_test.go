@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/containerd/typeurl/v2"
+	"github.com/sirupsen/logrus"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/types/known/wrapperspb"
@@ -597,4 +598,65 @@ func dropReason(h *harness, e any) (error, bool) {
 		}
 	}
 	return nil, false
+}
+
+// A Stop begun while Shutdown waits for the reader, with nothing queued
+// and no call running, drops the envelope the reader holds. Shutdown
+// reports that Stop, wrapping ErrStopped (review 19: it returned nil, as
+// if its drain were done).
+func TestShutdownReportsAStopThatDroppedTheEnvelopeInHand(t *testing.T) {
+	h, release := readerInConverter(t)
+	shut := shutdownBegun(t, h, context.Background())
+	stopped := make(chan struct{})
+	go func() { defer close(stopped); h.m.Stop() }()
+	waitFor(t, h.stopping, "Stop began")
+	release() // the envelope is refused: Stop and Shutdown go on
+	<-stopped
+	err := <-shut
+
+	reason, ok := dropReason(h, ev{"a", 0})
+	require.True(t, ok, "the envelope in hand was dropped by the Stop: %+v", h.drops.all())
+	require.ErrorIs(t, reason, ErrStopped)
+	require.ErrorIs(t, err, ErrStopped, "Shutdown was to queue and drain a/0, which the Stop dropped, yet it returned %v", err)
+	assertBalanced(t, h.m.Stats())
+}
+
+// Shutdown with a ctx already ended, on a monitor with nothing to drain,
+// lost nothing: it returns nil (review 19: ctx's error, once an ended ctx
+// no longer started a drain).
+func TestShutdownWithAnEndedCtxOnAnEmptyMonitorReturnsNil(t *testing.T) {
+	h := newHarness(t, newRecorder())
+	h.submit(t, ev{"a", 1})
+	h.settled(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	require.NoError(t, h.m.Shutdown(ctx), "nothing was queued, running or in backoff: nothing was lost")
+	require.Empty(t, h.drops.all())
+}
+
+// A call Stop withdraws before its handler began is never made, and its
+// drop says so: here a replay's call waits in its retry log line (user
+// code, before the call is made) when Shutdown's ctx has ended (review 19:
+// the drop said the handler was "still running").
+func TestAWithdrawnCallsDropDoesNotBlameARunningHandler(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithBackoff(time.Second, time.Minute))
+	hook := newBlockHook(logrus.InfoLevel, "retrying backed-off events")
+	h.m.cfg.logger.Logger.AddHook(hook)
+	defer close(hook.release)
+	r.fail(ev{"a", 1}, 1)
+	h.submit(t, ev{"a", 1})
+	h.settled(t) // a/1 failed once: in backoff, due in a second
+	require.Equal(t, 1, r.callCount())
+	h.clock.Step(time.Second)
+	<-hook.blocked // the replay's call was taken; its goroutine logs the retry
+
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	require.ErrorIs(t, h.m.Shutdown(ctx), context.Canceled)
+	reason, ok := dropReason(h, ev{"a", 1})
+	require.True(t, ok, "a/1 dropped: %+v", h.drops.all())
+	require.ErrorIs(t, reason, ErrStopped)
+	assert.Equal(t, 1, r.callCount(), "the withdrawn call was made")
+	assert.Contains(t, reason.Error(), "withdrawn before its handler began")
 }

@@ -73,10 +73,12 @@ func (m *Monitor) abandon(why string, stages ...stage) {
 		if !c.runningIn(stages...) {
 			return false
 		}
-		c.progress.CompareAndSwap(notBegun, withdrawn)
+		reason := fmt.Errorf("%w: handler %s, abandoned", ErrStopped, why)
+		if c.progress.CompareAndSwap(notBegun, withdrawn) {
+			reason = fmt.Errorf("%w: call withdrawn before its handler began", ErrStopped)
+		}
 		c.stage = abandoned
-		m.abandonedDrops = append(m.abandonedDrops,
-			m.drop(c.key.Name(), fmt.Errorf("%w: handler %s, abandoned", ErrStopped, why), c.it)...)
+		m.abandonedDrops = append(m.abandonedDrops, m.drop(c.key.Name(), reason, c.it)...)
 		return true
 	})
 	if len(m.calls) < before {
@@ -142,7 +144,7 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	// starts between: events queued, which the stop drops, and calls,
 	// which may yet return or be abandoned (by this stop or a Stop begun
 	// meanwhile); and whether a Stop began first, cutting the drain short.
-	drained := m.state == draining && m.drained()
+	drained := m.state != stopped && m.drained()
 	cut, left := drainer && m.drainCut, m.keys.Events()
 	calls := slices.Clone(m.calls)
 	m.beginStop()
@@ -173,8 +175,11 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	return nil
 }
 
-// drained reports whether nothing is left to drain. mu is held.
-func (m *Monitor) drained() bool { return len(m.calls) == 0 && m.keys.Events() == 0 }
+// drained reports whether nothing is left to drain: no call, no event
+// queued, no stream reader that may yet take one. mu is held.
+func (m *Monitor) drained() bool {
+	return len(m.calls) == 0 && m.keys.Events() == 0 && m.stream.reader != consuming
+}
 
 // drainable reports whether a drain can still move: a call not stuck
 // (overran and still running: a returned one settles once it has the

@@ -159,10 +159,11 @@ func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) erro
 	defer cancel()
 	defer context.AfterFunc(m.intake, cancel)()
 
+	ended := func() bool { return runCtx.Err() != nil || m.intake.Err() != nil } // runCtx ends an instant after intake
 	delay := m.cfg.resubInitial
 	for outage := false; ; outage = true {
 		delivered, err := m.runOnce(runCtx, s, filters, outage)
-		if runCtx.Err() != nil || m.intake.Err() != nil { // runCtx ends an instant after intake
+		if ended() {
 			break
 		}
 		if delivered {
@@ -176,7 +177,7 @@ func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) erro
 		case <-wait.C():
 		}
 		wait.Stop()
-		if runCtx.Err() != nil {
+		if ended() {
 			break
 		}
 		m.mu.Lock()
