@@ -525,31 +525,18 @@ func shutdownBegun(t *testing.T, h *harness, ctx context.Context) <-chan error {
 // ErrStopped: that Stop had not begun when Shutdown was called (review 18:
 // Shutdown decided so only after its wait, and returned nil).
 func TestShutdownReportsAStopBegunWhileItWaitedForTheReader(t *testing.T) {
-	entered, converting := make(chan struct{}), make(chan struct{})
-	conv := ConverterFunc(func(typeurl.Any) (string, any, error) {
-		close(entered)
-		<-converting
-		return "r", ev{"r", 0}, nil
-	})
-	r := newRecorder()
-	h := newHarness(t, r, WithConverter(conv))
-	started, release := r.gate(ev{"a", 1})
+	h, convert := readerInConverter(t) // the reader holds an envelope: Shutdown waits for it
+	started, release := h.m.handler.(*recorder).gate(ev{"a", 1})
 	defer release()
 	h.submit(t, ev{"a", 1}, ev{"b", 1}) // b/1 waits for the one worker
 	<-started
-
-	ch := make(chan *Envelope, 1)
-	ch <- &Envelope{Topic: "/t", Event: payload(t, wrapperspb.String("r"))}
-	h.m.Subscribe(SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) { return ch, nil }))
-	h.m.Start()
-	<-entered // the reader holds an envelope: Shutdown waits for it
 
 	shut := shutdownBegun(t, h, context.Background())
 	stopped := make(chan struct{})
 	go func() { defer close(stopped); h.m.Stop() }()
 	waitFor(t, h.stopping, "Stop began")
-	release()         // a/1 returns: Stop's wait for calls ends
-	close(converting) // the envelope is refused: Stop and Shutdown go on
+	release() // a/1 returns: Stop's wait for calls ends
+	convert() // the envelope is refused: Stop and Shutdown go on
 	<-stopped
 	err := <-shut
 

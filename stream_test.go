@@ -550,22 +550,7 @@ func TestIgnoredPayloadWhoseTypeURLPanicsIsCounted(t *testing.T) {
 // refused with ErrStopped at once, as Run and a Start with a subscription
 // are (review 18: it returned the lifetime channel, silent until Stop).
 func TestBareStartIsRefusedWhileShutdownWaitsForTheReader(t *testing.T) {
-	entered, converting := make(chan struct{}), make(chan struct{})
-	conv := ConverterFunc(func(typeurl.Any) (string, any, error) {
-		close(entered)
-		<-converting
-		return "r", ev{"r", 0}, nil
-	})
-	h := newHarness(t, newRecorder(), WithConverter(conv))
-	ch := make(chan *Envelope, 1)
-	ch <- &Envelope{Topic: "/t", Event: payload(t, wrapperspb.String("r"))}
-	ran := make(chan error, 1)
-	go func() {
-		ran <- h.m.Run(context.Background(), SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) {
-			return ch, nil
-		}))
-	}()
-	<-entered
+	h, convert := readerInConverter(t) // Start took the subscription: the next Start is bare
 	shut := shutdownBegun(t, h, context.Background())
 	require.ErrorIs(t, h.m.Submit("x", ev{"x", 1}), ErrStopped, "intake has ended")
 
@@ -575,8 +560,7 @@ func TestBareStartIsRefusedWhileShutdownWaitsForTheReader(t *testing.T) {
 	case got = <-errCh:
 	default:
 	}
-	close(converting)
+	convert()
 	require.NoError(t, <-shut)
-	require.ErrorIs(t, <-ran, ErrStopped)
 	require.ErrorIs(t, got, ErrStopped, "a bare Start after Shutdown was called is not refused at once")
 }
