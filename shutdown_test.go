@@ -3,6 +3,7 @@ package eventmonitor
 import (
 	"context"
 	"errors"
+	"fmt"
 	"runtime"
 	"strings"
 	"sync"
@@ -519,33 +520,6 @@ func shutdownBegun(t *testing.T, h *harness, ctx context.Context) <-chan error {
 	return shut
 }
 
-// A Stop that begins after Shutdown was called, while Shutdown waits for
-// an envelope the reader took, drops what Shutdown was to drain (here b/1,
-// queued behind a/1 on the one worker). Shutdown reports it, wrapping
-// ErrStopped: that Stop had not begun when Shutdown was called (review 18:
-// Shutdown decided so only after its wait, and returned nil).
-func TestShutdownReportsAStopBegunWhileItWaitedForTheReader(t *testing.T) {
-	h, convert := readerInConverter(t) // the reader holds an envelope: Shutdown waits for it
-	started, release := h.m.handler.(*recorder).gate(ev{"a", 1})
-	defer release()
-	h.submit(t, ev{"a", 1}, ev{"b", 1}) // b/1 waits for the one worker
-	<-started
-
-	shut := shutdownBegun(t, h, context.Background())
-	stopped := make(chan struct{})
-	go func() { defer close(stopped); h.m.Stop() }()
-	waitFor(t, h.stopping, "Stop began")
-	release() // a/1 returns: Stop's wait for calls ends
-	convert() // the envelope is refused: Stop and Shutdown go on
-	<-stopped
-	err := <-shut
-
-	reason, ok := dropReason(h, ev{"b", 1})
-	require.True(t, ok, "b/1 was dropped by the Stop: %+v", h.drops.all())
-	require.ErrorIs(t, reason, ErrStopped)
-	require.ErrorIs(t, err, ErrStopped, "Shutdown's drain never ran and b/1 was dropped, yet it returned %v", err)
-}
-
 // Shutdown whose ctx has already ended stops at once: it starts no drain.
 // The one event waits in backoff, not due; it is dropped with ErrStopped,
 // never replayed nor handed to the handler (review 18: the drain began,
@@ -587,27 +561,6 @@ func dropReason(h *harness, e any) (error, bool) {
 	return nil, false
 }
 
-// A Stop begun while Shutdown waits for the reader, with nothing queued
-// and no call running, drops the envelope the reader holds. Shutdown
-// reports that Stop, wrapping ErrStopped (review 19: it returned nil, as
-// if its drain were done).
-func TestShutdownReportsAStopThatDroppedTheEnvelopeInHand(t *testing.T) {
-	h, release := readerInConverter(t)
-	shut := shutdownBegun(t, h, context.Background())
-	stopped := make(chan struct{})
-	go func() { defer close(stopped); h.m.Stop() }()
-	waitFor(t, h.stopping, "Stop began")
-	release() // the envelope is refused: Stop and Shutdown go on
-	<-stopped
-	err := <-shut
-
-	reason, ok := dropReason(h, ev{"a", 0})
-	require.True(t, ok, "the envelope in hand was dropped by the Stop: %+v", h.drops.all())
-	require.ErrorIs(t, reason, ErrStopped)
-	require.ErrorIs(t, err, ErrStopped, "Shutdown was to queue and drain a/0, which the Stop dropped, yet it returned %v", err)
-	assertBalanced(t, h.m.Stats())
-}
-
 // Shutdown with a ctx already ended, on a monitor with nothing to drain,
 // lost nothing: it returns nil (review 19: ctx's error, once an ended ctx
 // no longer started a drain).
@@ -646,4 +599,40 @@ func TestAWithdrawnCallsDropDoesNotBlameARunningHandler(t *testing.T) {
 	require.ErrorIs(t, reason, ErrStopped)
 	assert.Equal(t, 1, r.callCount(), "the withdrawn call was made")
 	assert.Contains(t, reason.Error(), "withdrawn before its handler began")
+}
+
+// A Stop begun while Shutdown waits for the reader drops what Shutdown was
+// to drain: work queued (b/1, behind a/1 on the one worker), or only the
+// envelope the reader holds. Shutdown reports that Stop, wrapping
+// ErrStopped (reviews 18 and 19: it returned nil, deciding whether a Stop
+// had begun only after its wait, and then not counting the envelope).
+func TestShutdownReportsAStopBegunWhileItWaitedForTheReader(t *testing.T) {
+	for _, queued := range []bool{true, false} {
+		t.Run(fmt.Sprint("queued=", queued), func(t *testing.T) {
+			h, convert := readerInConverter(t) // the reader holds a/0: Shutdown waits for it
+			lost, release := ev{"a", 0}, func() {}
+			if queued {
+				var started <-chan struct{}
+				started, release = h.m.handler.(*recorder).gate(ev{"a", 1})
+				defer release()
+				h.submit(t, ev{"a", 1}, ev{"b", 1})
+				<-started
+				lost = ev{"b", 1}
+			}
+			shut := shutdownBegun(t, h, context.Background())
+			stopped := make(chan struct{})
+			go func() { defer close(stopped); h.m.Stop() }()
+			waitFor(t, h.stopping, "Stop began")
+			release() // a/1 returns: Stop's wait for calls ends
+			convert() // a/0 is refused: Stop and Shutdown go on
+			<-stopped
+			err := <-shut
+
+			reason, ok := dropReason(h, lost)
+			require.True(t, ok, "%v was dropped by the Stop: %+v", lost, h.drops.all())
+			require.ErrorIs(t, reason, ErrStopped)
+			require.ErrorIs(t, err, ErrStopped, "Shutdown's drain never ran and %v was dropped, yet it returned %v", lost, err)
+			assertBalanced(t, h.m.Stats())
+		})
+	}
 }
