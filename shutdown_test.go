@@ -636,3 +636,58 @@ func TestShutdownReportsAStopBegunWhileItWaitedForTheReader(t *testing.T) {
 		})
 	}
 }
+
+// A Shutdown after a Stop (or a Shutdown) has ended loses nothing, and
+// returns nil even with a ctx already ended (review 20: ctx's error, the
+// ended ctx alone deciding).
+func TestShutdownWithAnEndedCtxAfterAStopReturnsNil(t *testing.T) {
+	for _, first := range []string{"Stop", "Shutdown"} {
+		t.Run("after"+first, func(t *testing.T) { shutdownWithAnEndedCtxAfter(t, first) })
+	}
+}
+
+func shutdownWithAnEndedCtxAfter(t *testing.T, first string) {
+	h := newHarness(t, newRecorder())
+	h.submit(t, ev{"a", 1})
+	h.settled(t)
+	if first == "Stop" {
+		h.m.Stop()
+	} else {
+		require.NoError(t, h.m.Shutdown(context.Background()))
+	}
+	ended, cancel := context.WithCancel(context.Background())
+	cancel()
+	err := h.m.Shutdown(ended)
+	require.Empty(t, h.drops.all())
+	require.EqualValues(t, 1, h.m.Stats().Handled)
+	require.NoError(t, err, "a %s had already begun (and ended): this Shutdown lost nothing, yet it returned %v", first, err)
+}
+
+// Shutdown's error names all its drain lost: with WithMaxOverruns(0) and
+// one worker, a stuck a/1 keeps its worker from b/1, and the drain both
+// abandons a/1 and drops b/1 (review 20: the error named only a/1).
+func TestShutdownErrorNamesTheEventsStuckCallsKeptFromTheWorkers(t *testing.T) {
+	release := make(chan struct{})
+	defer close(release)
+	started := make(chan struct{}, 1)
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		if e == (ev{"a", 1}) {
+			started <- struct{}{}
+			<-release // ignores its ctx
+		}
+		return nil
+	}), WithLogger(quietLogger()), WithWorkers(1), WithMaxOverruns(0))
+	h.submit(t, ev{"a", 1})
+	<-started
+	h.submit(t, ev{"b", 1}) // waits for the one worker, which a/1 keeps
+	h.clock.Step(DefaultHandleTimeout + time.Second)
+	waitFor(t, func() bool { return h.m.Stats().Overrunning == 1 }, "a/1 overruns")
+
+	err := h.m.Shutdown(context.Background())
+	require.ErrorIs(t, err, ErrStopped)
+	_, aDropped := dropReason(h, ev{"a", 1})
+	_, bDropped := dropReason(h, ev{"b", 1})
+	require.True(t, aDropped && bDropped, "a/1 abandoned, b/1 dropped: %+v", h.drops.all())
+	require.Contains(t, err.Error(), "dropped 1 events",
+		"the drain lost b/1 (kept from the worker by stuck a/1) as well as a/1, but the error says only %q", err)
+}

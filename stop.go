@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 
 	"github.com/eventmonitor/eventmonitor/internal/keyq"
 )
@@ -118,12 +119,13 @@ func (m *Monitor) finishStop() {
 // abandoning every call in progress (a returned call's report, and a
 // converter still running, are still waited for, as Stop does).
 //
-// It returns nil once its drain is done, or if a Stop had already begun;
-// ctx's error if ctx ended first; otherwise an error wrapping ErrStopped
-// that says what its drain lost: calls abandoned as they overran, events
-// dropped that stuck calls kept from every worker, or a Stop that began
-// before the drain was done. An event that fails during the drain goes to
-// the drop handler; it is not in the error.
+// It returns nil if it lost nothing: its drain was done, or a Stop had
+// begun before it was called (what that Stop loses is its own). It
+// returns ctx's error if ctx ended with calls in progress or events left;
+// otherwise an error wrapping ErrStopped that says what its drain lost:
+// calls abandoned as they overran, events that stuck calls kept from every
+// worker, or a Stop that began before the drain was done. An event that
+// fails during the drain goes to the drop handler; it is not in the error.
 func (m *Monitor) Shutdown(ctx context.Context) error {
 	ctx, done := m.waitingOn(ctx)
 	defer done()
@@ -140,39 +142,60 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	for m.state == draining && ctx.Err() == nil && m.drainable() {
 		m.cond.Wait()
 	}
-	// What the drain leaves, noted as the stop begins, so that no call
-	// starts between: events queued, which the stop drops, and calls,
-	// which may yet return or be abandoned (by this stop or a Stop begun
-	// meanwhile); and whether a Stop began first, cutting the drain short.
-	drained := m.state != stopped && m.drained()
-	cut, left := drainer && m.drainCut, m.keys.Events()
+	// What is left as the stop begins, noted under the same lock so that no
+	// call starts between; the calls may yet return or be abandoned (by
+	// this stop or a Stop begun meanwhile).
+	o := drainOutcome{drainer: drainer, drained: m.state != stopped && m.drained(),
+		cut: drainer && m.drainCut, calls: len(m.calls), left: m.keys.Events()}
 	calls := slices.Clone(m.calls)
 	m.beginStop()
 	m.mu.Unlock()
 	m.stop(ctx) // a Stop already waiting does not hold it past ctx
 	m.mu.Lock()
-	gaveUp := 0
 	for _, c := range calls {
 		if c.stage == abandoned {
-			gaveUp++
+			o.gaveUp++
 		}
 	}
 	m.mu.Unlock()
+	return o.err(ctx)
+}
+
+// drainOutcome is what a Shutdown's drain left as its stop began, and what
+// the stop then abandoned, from which Shutdown's result follows.
+type drainOutcome struct {
+	drainer bool // no Stop had begun when Shutdown was called
+	drained bool // no call, no event queued, no reader consuming
+	cut     bool // a Stop began after Shutdown was called, with work left
+	calls   int  // calls in progress
+	left    int  // events queued, which the stop drops
+	gaveUp  int  // of the calls, those abandoned
+}
+
+// err is Shutdown's result, as its doc says.
+func (o drainOutcome) err(ctx context.Context) error {
 	switch {
-	case drained:
+	case o.drained:
 		return nil
-	case ctx.Err() != nil:
+	case ctx.Err() != nil && (o.drainer || o.calls > 0):
 		return fmt.Errorf("eventmonitor: shutdown: %w", ctx.Err())
-	case !drainer:
-		return nil // what a Stop begun before abandoned is not this Shutdown's to report
-	case gaveUp > 0:
-		return fmt.Errorf("%w: shutdown abandoned %d handler calls that overran their timeout", ErrStopped, gaveUp)
-	case cut:
-		return fmt.Errorf("%w: Stop began before the shutdown's drain was done", ErrStopped)
-	case left > 0:
-		return fmt.Errorf("%w: shutdown dropped %d events that stuck calls kept from every worker", ErrStopped, left)
+	case !o.drainer:
+		return nil // what a Stop begun before lost is not this Shutdown's to report
 	}
-	return nil
+	var lost []string
+	if o.gaveUp > 0 {
+		lost = append(lost, fmt.Sprintf("abandoned %d handler calls that overran their timeout", o.gaveUp))
+	}
+	switch {
+	case o.cut:
+		lost = append(lost, "was cut short: Stop began before its drain was done")
+	case o.left > 0:
+		lost = append(lost, fmt.Sprintf("dropped %d events that stuck calls kept from every worker", o.left))
+	}
+	if len(lost) == 0 {
+		return nil
+	}
+	return fmt.Errorf("%w: shutdown %s", ErrStopped, strings.Join(lost, " and "))
 }
 
 // drained reports whether nothing is left to drain: no call, no event
