@@ -25,10 +25,12 @@ const (
 	abandoned              // Stop gave up on it; its goroutine leaves unseen
 )
 
-// How far a call's goroutine got. Stop abandons only a call whose handler
-// has not returned (a returned one settles as soon as its goroutine has
-// mu), and withdraws one whose handler has not begun, which is then never
-// made: an event is not handled after it was dropped.
+// A call's progress: how far its goroutine got, moved without mu by
+// compare-and-swap. The goroutine moves it to invoked just before the
+// handler and to returned just after; Stop moves a call not yet invoked to
+// withdrawn, so that it is never made once its event was dropped, and
+// abandons only a call not yet returned (a returned one settles as soon as
+// its goroutine has mu).
 const (
 	notBegun  int32 = iota
 	invoked         // the handler was called
@@ -59,7 +61,10 @@ type call struct {
 	replayStart bool         // its event is the first of a replay: logged as a retry
 	progress    atomic.Int32 // how far its goroutine got; set without mu
 
-	// Guarded by Monitor.mu.
+	// Guarded by Monitor.mu. stage: startCall sets inTime; expire moves it
+	// to late, then overran; settle to settling; Stop's abandon to
+	// abandoned. seat: startCall sets it; replaceStuck gives an overran
+	// call's slot away (gaveSlot).
 	seat  seat
 	stage stage
 }

@@ -147,10 +147,7 @@ func New(h Handler, opts ...Option) (*Monitor, error) {
 // start for ready keys while slots are free, the scheduler follows, waiters
 // wake. mu is held.
 func (m *Monitor) changed() {
-	for k := m.keys.Earliest(); k != nil; k = m.keys.Earliest() {
-		if m.state != draining && (m.state != running || k.Due().After(m.cfg.clock.Now())) {
-			break
-		}
+	for k := m.keys.Earliest(); k != nil && m.replays(k); k = m.keys.Earliest() {
 		m.keys.Replay(k)
 		m.stats.Retried++
 	}
@@ -164,6 +161,18 @@ func (m *Monitor) changed() {
 	}
 	m.retime()
 	m.cond.Broadcast()
+}
+
+// replays reports whether k, the key due first, replays now: when due
+// while running, at once while draining, not while held or stopped.
+func (m *Monitor) replays(k *keyq.Key[item]) bool {
+	switch m.state {
+	case running:
+		return !k.Due().After(m.cfg.clock.Now())
+	case draining:
+		return true
+	}
+	return false
 }
 
 // Submit hands the monitor an event that did not come from its stream (a

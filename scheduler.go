@@ -62,15 +62,19 @@ func (m *Monitor) retime() {
 		if !s.at.IsZero() {
 			s.stop()
 		}
-		return
-	case !s.at.IsZero() && !at.Before(s.at):
-		return // it fires no later than needed
+	case s.at.IsZero() || at.Before(s.at):
+		m.arm(at)
 	}
-	// A timer counts from the clock's time when it is set, not from now: a
-	// fake clock stepped in between leaves it late, so it is set again
-	// while the clock moved (a real clock moves nanoseconds: near enough).
-	// A test stepping during every try sees its retry at its next Step, or
-	// at WaitIdle, which finds the timer overdue.
+}
+
+// arm sets the timer for at, starting the scheduler with the first timer.
+// A timer counts from the clock's time when it is set, not from now: a
+// fake clock stepped in between leaves it late, so it is set again while
+// the clock moved (a real clock moves nanoseconds: near enough). A test
+// stepping during every try sees its retry at its next Step, or at
+// WaitIdle, which finds the timer overdue. mu is held.
+func (m *Monitor) arm(at time.Time) {
+	s := &m.sched
 	var now time.Time
 	for tries := 0; tries < 4; tries++ {
 		now = m.cfg.clock.Now()
