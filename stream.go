@@ -8,20 +8,6 @@ import (
 	"sync"
 )
 
-// Subscriber is a source of envelopes, such as containerd's events service.
-// The stream ends when ctx ends; a broken stream sends one error on errs.
-type Subscriber interface {
-	Subscribe(ctx context.Context, filters ...string) (ch <-chan *Envelope, errs <-chan error)
-}
-
-// SubscriberFunc adapts a function to Subscriber.
-type SubscriberFunc func(ctx context.Context, filters ...string) (<-chan *Envelope, <-chan error)
-
-// Subscribe calls f.
-func (f SubscriberFunc) Subscribe(ctx context.Context, filters ...string) (<-chan *Envelope, <-chan error) {
-	return f(ctx, filters...)
-}
-
 // streamState is stream intake's part of the monitor, guarded by its mu.
 type streamState struct {
 	reader      reader
