@@ -31,10 +31,11 @@ const UnknownExitCode = 255
 // ended (the exit is then not handled) or Stop began while it waited; an
 // exit handled in the watcher's goroutine closes it when its handler
 // returns, even one Stop abandoned (so does containerd's stopCh). An exit
-// arriving once Shutdown began, or waiting in exitCh when Stop begins,
-// is dropped with ErrStopped; once Stop began, a watcher reads no more (a
-// WatchExit then returns a closed channel), and an exit sent later stays
-// in exitCh. A nil m, exitCh or event panics at once, not in the goroutine.
+// not yet queued when Shutdown is called (arriving later, or still being
+// read or built) is dropped with ErrStopped, as is one a watcher reads
+// once Stop began; a watcher that saw Stop begin reads no more, so an exit
+// sent then may stay in exitCh (a WatchExit after Stop returns a closed
+// channel). A nil m, exitCh or event panics at once, not in the goroutine.
 func WatchExit[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh <-chan S,
 	event func(code uint32, exitedAt time.Time) any) <-chan struct{} {
 	mustWatch("WatchExit", m, exitCh == nil, event == nil)
@@ -104,6 +105,7 @@ var (
 // worker's call path but holding no slot. The watcher stops counting for
 // Stop before the call: Stop waits for calls, and abandons stuck ones.
 func (m *Monitor) handleExit(key string, s ExitStatus, received bool, build func(uint32, time.Time, error) any) {
+	accepted := m.inHand()
 	code, at, err := uint32(UnknownExitCode), time.Time{}, error(ErrNoExitStatus)
 	if received {
 		func() {
@@ -138,6 +140,7 @@ func (m *Monitor) handleExit(key string, s ExitStatus, received bool, build func
 	m.changed()
 	m.mu.Unlock()
 	m.emit(drops...)
+	accepted()
 	m.watchers.Done()
 	if c != nil {
 		m.handle(c) // holds no slot: takes nothing on

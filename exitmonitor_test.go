@@ -279,3 +279,38 @@ func TestStreamAndExitsAcrossStopAccountForEveryEvent(t *testing.T) {
 		require.False(t, x.twice.Load(), "a key on two goroutines")
 	}
 }
+
+// WaitIdle waits for an exit a watcher has received until it is queued
+// or dropped: here its builder blocks (review 21: it returned idle with
+// the exit neither handled, queued nor dropped).
+func TestWaitIdleWaitsForAnExitAWatcherReceived(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r)
+	building, release := make(chan struct{}), make(chan struct{})
+	defer func() {
+		select {
+		case <-release:
+		default:
+			close(release)
+		}
+	}()
+	exitCh := make(chan fakeExit) // unbuffered: the send returns once the watcher has the exit
+	done := WatchExit(context.Background(), h.m, "c1", exitCh, func(code uint32, at time.Time) any {
+		close(building)
+		<-release // an exit builder that takes a while (or a scheduler that runs WaitIdle first)
+		return exitEvent{"c1", code, at}
+	})
+	exitCh <- fakeExit{code: 137, at: epoch}
+	<-building
+
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond) // it must not say idle before it ends
+	defer cancel()
+	err := h.m.WaitIdle(ctx)
+	handledBefore := r.callCount()
+	close(release)
+	<-done
+	assert.Error(t, err, "WaitIdle said idle while the exit it was given was still being built "+
+		"(handled %d, stats %+v)", handledBefore, h.m.Stats())
+	h.settled(t)
+	require.Equal(t, anys(exitEvent{"c1", 137, epoch}), r.handledList())
+}

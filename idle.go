@@ -9,7 +9,8 @@ import (
 // eventmonitortest), and how every waiter on cond follows its caller's ctx.
 
 // NextRetry returns when the next backoff replay is due, and false if no
-// key is waiting in backoff.
+// key is waiting in backoff. A key given Backoff while its call runs
+// starts waiting when the call ends: call WaitIdle first.
 func (m *Monitor) NextRetry() (time.Time, bool) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -20,7 +21,8 @@ func (m *Monitor) NextRetry() (time.Time, bool) {
 }
 
 // WaitIdle waits until the monitor has done all it can: no call running or
-// being settled, no key waiting for a worker, no envelope being accepted,
+// being settled, no key waiting for a worker, no envelope or exit being
+// accepted (read, converted or built, and queued or dropped),
 // no replay due at the clock's now, and a timer set no later than the next
 // retry (none if no key waits: only Run, waiting to re-subscribe or before
 // a resync, may then hold a fake clock's waiter).
@@ -31,8 +33,9 @@ func (m *Monitor) NextRetry() (time.Time, bool) {
 //
 // It is the sync point of fake-clock tests: Submit, WaitIdle, step the
 // clock to NextRetry, WaitIdle again (see package eventmonitortest). An
-// envelope may be taken off its channel an instant before the reader notes
-// it: stream tests also wait for Stats().Received (or use testing/synctest).
+// envelope or exit may be taken off its channel an instant before it is
+// noted: such tests also wait for Stats().Received (or use
+// testing/synctest).
 func (m *Monitor) WaitIdle(ctx context.Context) error {
 	ctx, done := m.waitingOn(ctx)
 	defer done()
@@ -41,7 +44,7 @@ func (m *Monitor) WaitIdle(ctx context.Context) error {
 	for {
 		overdue := m.sched.overdue(m.cfg.clock.Now())
 		switch {
-		case len(m.calls) == 0 && m.stream.accepting == 0 && (m.state == held || !m.keys.HasReady()) && !overdue:
+		case len(m.calls) == 0 && m.accepting == 0 && (m.state == held || !m.keys.HasReady()) && !overdue:
 			return nil
 		case m.state == stopped:
 			return ErrStopped

@@ -50,15 +50,7 @@ var (
 // counted as filtered; one of a type nobody keys as ignored, its type
 // logged once.
 func (m *Monitor) take(ctx context.Context, env *Envelope) {
-	m.mu.Lock()
-	m.stream.accepting++ // WaitIdle and Stop wait for it, its drop included
-	m.mu.Unlock()
-	defer func() {
-		m.mu.Lock()
-		m.stream.accepting--
-		m.changed()
-		m.mu.Unlock()
-	}()
+	defer m.inHand()()
 	key, event, ignored, err := m.convert(env)
 	var url string
 	if ignored { // the payload's code: not under mu, nor unguarded
@@ -98,6 +90,21 @@ func (m *Monitor) take(ctx context.Context, env *Envelope) {
 			WithError(err).Debug("ignoring events of a type the converter has no key for; logged once per type")
 	}
 	m.emit(drops...) // the drop handler logs it, by default
+}
+
+// inHand counts an envelope or exit received and not yet queued or dropped,
+// which WaitIdle and Stop wait for, until done is called: after its drop,
+// if any, was handed over.
+func (m *Monitor) inHand() (done func()) {
+	m.mu.Lock()
+	m.accepting++
+	m.mu.Unlock()
+	return func() {
+		m.mu.Lock()
+		m.accepting--
+		m.changed()
+		m.mu.Unlock()
+	}
 }
 
 // convert filters env by namespace and runs the converter (ignored: its

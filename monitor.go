@@ -55,6 +55,8 @@ type Monitor struct {
 	stats    Stats   // counters; the gauges are derived in Stats
 	sched    schedulerState
 	stream   streamState
+	// accepting: envelopes and exits received, not yet queued or dropped.
+	accepting int
 	// abandonedDrops: events of calls Stop gave up on, for it to hand over.
 	abandonedDrops []Drop
 

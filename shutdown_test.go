@@ -391,7 +391,7 @@ func TestShutdownDrainsWhatAReaderWaitingForRoomHeld(t *testing.T) {
 			waitFor(t, func() bool {
 				h.m.mu.Lock()
 				defer h.m.mu.Unlock()
-				return h.m.stream.accepting == 1 && len(ch) == 0 && h.m.keys.Queued() == 1
+				return h.m.accepting == 1 && len(ch) == 0 && h.m.keys.Queued() == 1
 			}, "the reader waits for room with c")
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			shut := shutdownBegun(t, h, ctx)

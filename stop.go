@@ -91,7 +91,7 @@ func (m *Monitor) abandon(why string, stages ...stage) {
 // every event left and waits for the scheduler and watchers to leave.
 func (m *Monitor) finishStop() {
 	m.mu.Lock()
-	for m.stream.accepting > 0 {
+	for m.accepting > 0 {
 		m.cond.Wait()
 	}
 	drops := m.abandonedDrops

@@ -12,7 +12,6 @@ import (
 type streamState struct {
 	reader      reader
 	subscribed  *subscription   // by Subscribe, for Start
-	accepting   int             // envelopes read and not yet accepted or dropped
 	ignoredURLs map[string]bool // type URLs ignored so far, for logging once
 }
 
