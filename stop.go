@@ -112,12 +112,13 @@ func (m *Monitor) finishStop() {
 
 // Shutdown stops intake (Submit, Backoff and exits are refused with
 // ErrStopped; it waits for the stream reader to see intake end, queueing
-// what it takes until then), handles everything queued, replays every backoff queue once
-// at once, then Stops. An event failing meanwhile, or still waiting at the
-// stop, is dropped with ErrStopped. Overrunning calls do not hold it up:
-// once nothing else can move, it stops. If ctx ends first it stops at once,
-// abandoning every call in progress (a returned call's report, and a
-// converter still running, are still waited for, as Stop does).
+// what it takes until then), handles everything queued, replays every
+// backoff queue once at once, then Stops. An event failing meanwhile, or
+// still waiting at the stop, is dropped with ErrStopped. Overrunning calls
+// do not hold it up: once nothing else can move, it stops. If ctx ends
+// first it stops at once, abandoning every call in progress (a returned
+// call's report, and a converter still running, are still waited for, as
+// Stop does).
 //
 // It returns nil if it lost nothing: its drain was done, or a Stop had
 // begun before it was called (what that Stop loses is its own). It
