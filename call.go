@@ -56,10 +56,10 @@ type call struct {
 	cancel      context.CancelCauseFunc
 	key         *keyq.Key[item] // its name never changes: read it anywhere
 	it          item            // its failures change only under mu, by the call's own goroutine
-	start       time.Time
-	deadline    time.Time    // zero: none (WithHandleTimeout(0))
-	replayStart bool         // its event is the first of a replay: logged as a retry
-	progress    atomic.Int32 // how far its goroutine got; set without mu
+	start       time.Time       // read only with a deadline or metrics
+	deadline    time.Time       // zero: none (WithHandleTimeout(0))
+	replayStart bool            // its event is the first of a replay: logged as a retry
+	progress    atomic.Int32    // how far its goroutine got; set without mu
 
 	// Guarded by Monitor.mu. stage: startCall sets inTime; expire moves it
 	// to late, then overran; settle to settling; Stop's abandon to
@@ -114,7 +114,9 @@ func (m *Monitor) takeReady() *call {
 func (m *Monitor) startCall(k *keyq.Key[item], it item, replayStart bool, s seat) *call {
 	c := &call{key: k, it: it, replayStart: replayStart, seat: s}
 	c.Context, c.cancel = context.WithCancelCause(m.base)
-	c.start = m.cfg.clock.Now()
+	if m.cfg.handleTimeout > 0 || m.cfg.metrics != nil {
+		c.start = m.cfg.clock.Now()
+	}
 	if m.cfg.handleTimeout > 0 {
 		c.deadline = c.start.Add(m.cfg.handleTimeout)
 	}
