@@ -691,3 +691,42 @@ func TestShutdownErrorNamesTheEventsStuckCallsKeptFromTheWorkers(t *testing.T) {
 	require.Contains(t, err.Error(), "dropped 1 events",
 		"the drain lost b/1 (kept from the worker by stuck a/1) as well as a/1, but the error says only %q", err)
 }
+
+// Shutdown's result, case by case, from what its drain left and what its
+// stop abandoned (drainOutcome.err). The review 22 case: a Stop that began
+// once the drain was done (so it cut nothing) and a ctx that ended
+// meanwhile: nothing was lost, so nil (it was ctx's error, in 191 of 200
+// runs of a race the review forced).
+func TestShutdownResultFollowsWhatItsDrainLost(t *testing.T) {
+	live := context.Background()
+	ended, cancel := context.WithCancel(live)
+	cancel()
+	for _, tc := range []struct {
+		name string
+		o    drainOutcome
+		ctx  context.Context
+		want error // nil, context.Canceled or ErrStopped
+	}{
+		{"drained", drainOutcome{drainer: true}, live, nil},
+		{"drained; or a Stop found it done; ctx ended after (review 22)", drainOutcome{drainer: true}, ended, nil},
+		{"calls left as ctx ended", drainOutcome{drainer: true, calls: 1, gaveUp: 1}, ended, context.Canceled},
+		{"events left as ctx ended", drainOutcome{drainer: true, left: 2}, ended, context.Canceled},
+		{"reader still reading as ctx ended", drainOutcome{drainer: true, reading: true}, ended, context.Canceled},
+		{"cut by a Stop", drainOutcome{drainer: true, cut: true, left: 1}, live, ErrStopped},
+		{"stuck calls abandoned and their key's events dropped", drainOutcome{drainer: true, calls: 1, gaveUp: 1, left: 1}, live, ErrStopped},
+		{"calls left that then returned", drainOutcome{drainer: true, calls: 1}, live, nil},
+		{"a Stop had begun before", drainOutcome{calls: 1, gaveUp: 1, left: 3}, live, nil},
+		{"a Stop had begun before and had ended, ctx ended", drainOutcome{}, ended, nil},
+		{"a Stop had begun before, calls left as ctx ended", drainOutcome{calls: 1, gaveUp: 1}, ended, context.Canceled},
+	} {
+		err := tc.o.err(tc.ctx)
+		if tc.want == nil {
+			assert.NoError(t, err, tc.name)
+		} else {
+			assert.ErrorIs(t, err, tc.want, tc.name)
+		}
+	}
+	err := drainOutcome{drainer: true, calls: 1, gaveUp: 1, left: 1}.err(live)
+	assert.ErrorContains(t, err, "abandoned 1 handler calls")
+	assert.ErrorContains(t, err, "dropped 1 events that stuck calls kept from every worker")
+}

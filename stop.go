@@ -116,13 +116,14 @@ func (m *Monitor) finishStop() {
 // backoff queue once at once, then Stops. An event failing meanwhile, or
 // still waiting at the stop, is dropped with ErrStopped. Overrunning calls
 // do not hold it up: once nothing else can move, it stops. If ctx ends
-// first it stops at once, abandoning every call in progress (a returned
-// call's report, and a converter still running, are still waited for, as
-// Stop does).
+// first it stops at once, abandoning every call in progress; what else
+// Stop waits for (a returned call's report, a converter, an exit being
+// read or built) it still waits for.
 //
 // It returns nil if it lost nothing: its drain was done, or a Stop had
 // begun before it was called (what that Stop loses is its own). It
-// returns ctx's error if ctx ended with calls in progress or events left;
+// returns ctx's error if ctx ended with calls in progress, events left, a
+// Stop that cut its drain short or the stream reader still reading;
 // otherwise an error wrapping ErrStopped that says what its drain lost:
 // calls abandoned as they overran, events that stuck calls kept from every
 // worker, or a Stop that began before the drain was done. An event that
@@ -146,8 +147,8 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	// What is left as the stop begins, noted under the same lock so that no
 	// call starts between; the calls may yet return or be abandoned (by
 	// this stop or a Stop begun meanwhile).
-	o := drainOutcome{drainer: drainer, drained: m.state != stopped && m.drained(),
-		cut: drainer && m.drainCut, calls: len(m.calls), left: m.keys.Events()}
+	o := drainOutcome{drainer: drainer, cut: drainer && m.drainCut, reading: m.stream.reader == consuming,
+		calls: len(m.calls), left: m.keys.Events()}
 	calls := slices.Clone(m.calls)
 	m.beginStop()
 	m.mu.Unlock()
@@ -166,8 +167,8 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 // the stop then abandoned, from which Shutdown's result follows.
 type drainOutcome struct {
 	drainer bool // no Stop had begun when Shutdown was called
-	drained bool // no call, no event queued, no reader consuming
 	cut     bool // a Stop began after Shutdown was called, with work left
+	reading bool // the stream reader was still consuming: ctx ended first
 	calls   int  // calls in progress
 	left    int  // events queued, which the stop drops
 	gaveUp  int  // of the calls, those abandoned
@@ -176,9 +177,7 @@ type drainOutcome struct {
 // err is Shutdown's result, as its doc says.
 func (o drainOutcome) err(ctx context.Context) error {
 	switch {
-	case o.drained:
-		return nil
-	case ctx.Err() != nil && (o.drainer || o.calls > 0):
+	case ctx.Err() != nil && (o.calls > 0 || o.drainer && (o.left > 0 || o.cut || o.reading)):
 		return fmt.Errorf("eventmonitor: shutdown: %w", ctx.Err())
 	case !o.drainer:
 		return nil // what a Stop begun before lost is not this Shutdown's to report
