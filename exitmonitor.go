@@ -105,7 +105,7 @@ var (
 // worker's call path but holding no slot. The watcher stops counting for
 // Stop before the call: Stop waits for calls, and abandons stuck ones.
 func (m *Monitor) handleExit(key string, s ExitStatus, received bool, build func(uint32, time.Time, error) any) {
-	accepted := m.inHand()
+	m.inHand()
 	code, at, err := uint32(UnknownExitCode), time.Time{}, error(ErrNoExitStatus)
 	if received {
 		func() {
@@ -140,7 +140,7 @@ func (m *Monitor) handleExit(key string, s ExitStatus, received bool, build func
 	m.changed()
 	m.mu.Unlock()
 	m.emit(drops...)
-	accepted()
+	m.outOfHand()
 	m.watchers.Done()
 	if c != nil {
 		m.handle(c) // holds no slot: takes nothing on

@@ -50,7 +50,8 @@ var (
 // counted as filtered; one of a type nobody keys as ignored, its type
 // logged once.
 func (m *Monitor) take(ctx context.Context, env *Envelope) {
-	defer m.inHand()()
+	m.inHand()
+	defer m.outOfHand()
 	key, event, ignored, err := m.convert(env)
 	var url string
 	if ignored { // the payload's code: not under mu, nor unguarded
@@ -92,19 +93,20 @@ func (m *Monitor) take(ctx context.Context, env *Envelope) {
 	m.emit(drops...) // the drop handler logs it, by default
 }
 
-// inHand counts an envelope or exit received and not yet queued or dropped,
-// which WaitIdle and Stop wait for, until done is called: after its drop,
-// if any, was handed over.
-func (m *Monitor) inHand() (done func()) {
+// inHand counts an envelope or exit received and not yet queued or
+// dropped, which WaitIdle and Stop wait for; outOfHand ends the count once
+// its drop, if any, was handed over.
+func (m *Monitor) inHand() {
 	m.mu.Lock()
 	m.accepting++
 	m.mu.Unlock()
-	return func() {
-		m.mu.Lock()
-		m.accepting--
-		m.changed()
-		m.mu.Unlock()
-	}
+}
+
+func (m *Monitor) outOfHand() {
+	m.mu.Lock()
+	m.accepting--
+	m.changed()
+	m.mu.Unlock()
 }
 
 // convert filters env by namespace and runs the converter (ignored: its

@@ -85,7 +85,7 @@ func (m *Monitor) Start() <-chan error {
 		defer close(errCh)
 		_, err := m.consume(m.intake, sub, nil)
 		sub.cancel()
-		m.doneReading() // before reporting: whoever reads errCh may Run or Start at once
+		m.setReader(noReader) // before reporting: whoever reads errCh may Run or Start at once
 		if err != nil && m.intake.Err() == nil {
 			m.cfg.logger.WithError(err).Error("event stream failed")
 			errCh <- err
@@ -110,8 +110,7 @@ func (m *Monitor) beginReading() error {
 	return nil
 }
 
-func (m *Monitor) doneReading() { m.setReader(noReader) }
-
+// setReader moves the stream reader to r, waking Shutdown waiting for it.
 func (m *Monitor) setReader(r reader) {
 	m.mu.Lock()
 	m.stream.reader = r
@@ -138,7 +137,7 @@ func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) erro
 	if err != nil {
 		return err
 	}
-	defer m.doneReading()
+	defer m.setReader(noReader)
 
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
