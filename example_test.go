@@ -261,8 +261,8 @@ func ExampleMonitor_Submit() {
 	_ = m.Submit("c1", "c1 start")
 	<-failed
 	_ = m.Submit("c1", "c1 stop")
-	for deadline := time.Now().Add(10 * time.Second); !m.InBackoff("c1") && time.Now().Before(deadline); {
-		time.Sleep(time.Millisecond) // until the worker has settled the failure
+	if err := m.WaitIdle(context.Background()); err != nil { // the failure is settled: c1 waits an hour
+		panic(err)
 	}
 	for _, p := range m.Pending() {
 		fmt.Println("waiting:", p.Key, p.Events, "after", p.Attempts, "attempt")
