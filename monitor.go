@@ -46,15 +46,15 @@ type Monitor struct {
 	handler Handler
 	base    context.Context // parent of every handler context: carries the logger
 
-	mu       sync.Mutex
-	cond     sync.Cond
-	state    lifecycle
-	drainCut bool // Stop began, after Shutdown was called, with work left
-	keys     *keyq.Set[item]
-	calls    []*call // in progress or being settled, in start order
-	stats    Stats   // counters; the gauges are derived in Stats
-	sched    schedulerState
-	stream   streamState
+	mu        sync.Mutex
+	cond      sync.Cond
+	state     lifecycle
+	stopStart stopStart // what was left as the stop began, for Shutdown
+	keys      *keyq.Set[item]
+	calls     []*call // in progress or being settled, in start order
+	stats     Stats   // counters; the gauges are derived in Stats
+	sched     schedulerState
+	stream    streamState
 	// accepting: envelopes and exits received, not yet queued or dropped.
 	accepting int
 	// abandonedDrops: events of calls Stop gave up on, for it to hand over.

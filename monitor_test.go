@@ -21,6 +21,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/types/known/wrapperspb"
+	testclock "k8s.io/utils/clock/testing"
 
 	"github.com/eventmonitor/eventmonitor/internal/keyq"
 )
@@ -39,6 +40,8 @@ func TestNewRejectsInvalidOptions(t *testing.T) {
 		"zero intake":         WithIntakeLimit(0),
 		"resubscribe inverse": WithResubscribe(time.Minute, time.Second),
 		"nil clock":           WithClock(nil),
+		"typed nil clock":     WithClock((*testclock.FakeClock)(nil)), // review 23: it panicked under mu at the first Submit
+		"typed nil metrics":   WithMetrics((*recordedMetrics)(nil)),
 		"nil logger":          WithLogger(nil),
 	} {
 		t.Run(name, func(t *testing.T) {

@@ -95,9 +95,12 @@ func WithMaxAttempts(n int) Option { return func(c *config) { c.maxAttempts = n 
 func WithMaxQueuedPerKey(n int) Option { return func(c *config) { c.maxQueuedPerKey = n } }
 
 // WithIntakeLimit (>= 1) pauses stream reading while n accepted events wait
-// to be handled (Stats.Queued, those behind a running call of their key
-// too), so a flood waits in the runtime, not in memory; WithMaxQueuedPerKey
-// bounds one key's share. Submit never blocks.
+// for a worker (Stats.Queued, those behind a running call of their key
+// too), so a flood waits in the runtime, not in memory. Events of keys in
+// backoff do not count: they wait for their due time, and counting them
+// would let failing keys stop the stream for all others.
+// WithMaxQueuedPerKey bounds one key's share, in backoff or not. Submit
+// never blocks.
 func WithIntakeLimit(n int) Option { return func(c *config) { c.intakeLimit = n } }
 
 // WithDropHandler receives every event given up on, with the reason, without
@@ -139,7 +142,7 @@ func (c *config) validate() error {
 			errs = append(errs, fmt.Errorf("%w: "+format, append([]any{ErrInvalidOption}, args...)...))
 		}
 	}
-	check(c.clock == nil, "nil clock")
+	check(isNil(c.clock), "nil clock (%T)", c.clock)
 	check(c.initialBackoff <= 0 || c.maxBackoff <= 0 || c.initialBackoff > c.maxBackoff,
 		"backoff initial %v, max %v: want 0 < initial <= max", c.initialBackoff, c.maxBackoff)
 	check(!(c.jitter >= 0 && c.jitter <= 1), "jitter %v: want 0..1", c.jitter) // also rejects NaN
@@ -152,6 +155,7 @@ func (c *config) validate() error {
 	check(c.resubInitial <= 0 || c.resubMax <= 0 || c.resubInitial > c.resubMax,
 		"resubscribe initial %v, max %v: want 0 < initial <= max", c.resubInitial, c.resubMax)
 	check(c.converter != nil && isNil(c.converter), "nil converter (%T)", c.converter)
+	check(c.metrics != nil && isNil(c.metrics), "nil metrics (%T)", c.metrics)
 	check(c.logger == nil, "nil logger")
 	return errors.Join(errs...)
 }

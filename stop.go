@@ -28,16 +28,15 @@ import (
 // which it may be waiting for: call go m.Stop() there.
 func (m *Monitor) Stop() { m.stop(context.Background()) }
 
-// stop is Stop, abandoning every call still running once ctx, from
-// waitingOn, ends.
-func (m *Monitor) stop(ctx context.Context) {
+// stop is Stop, also abandoning every call still running once ctx, from
+// waitingOn, ends; it returns how many calls it abandoned for that.
+func (m *Monitor) stop(ctx context.Context) (byCtx int) {
 	m.mu.Lock()
-	m.beginStop()
+	m.beginStop(true)
 	for len(m.calls) > 0 {
+		m.abandon("overran its deadline", overran)
 		if ctx.Err() != nil {
-			m.abandon("still running when Shutdown's ctx ended", inTime, late, overran)
-		} else {
-			m.abandon("overran its deadline", overran)
+			byCtx += m.abandon("still running when Shutdown's ctx ended", inTime, late)
 		}
 		if len(m.calls) > 0 {
 			m.cond.Wait()
@@ -45,16 +44,26 @@ func (m *Monitor) stop(ctx context.Context) {
 	}
 	m.mu.Unlock()
 	m.stopOnce.Do(m.finishStop) // a second Stop waits here for the first's
+	return byCtx
 }
 
-// beginStop ends intake and cancels every call. mu is held.
-func (m *Monitor) beginStop() {
+// beginStop ends intake, notes what the stop begins with, for every
+// Shutdown's result, and cancels every call. cuts: the stop ends a drain
+// before it is done (Stop, or a Shutdown whose ctx ended), if Shutdown was
+// called. mu is held.
+func (m *Monitor) beginStop(cuts bool) {
 	shutdownCalled := m.intake.Err() != nil
 	m.endIntake()
 	if m.state == stopped {
 		return
 	}
-	m.drainCut = shutdownCalled && !m.drained()
+	m.stopStart = stopStart{cut: cuts && shutdownCalled, reading: m.stream.reader == consuming,
+		left: m.keys.Events(), calls: slices.Clone(m.calls)}
+	for _, c := range m.calls {
+		if c.progress.Load() != returned {
+			m.stopStart.running++
+		}
+	}
 	m.state = stopped
 	close(m.stopping)
 	for _, c := range m.calls {
@@ -66,9 +75,9 @@ func (m *Monitor) beginStop() {
 // abandon gives up, at Stop, on the calls in the given stages whose
 // handler is still running: their events are dropped, saying why, and their
 // goroutines leave unseen if they ever return. A call whose handler
-// returned is waited for: it settles as soon as it has the lock. mu is
-// held.
-func (m *Monitor) abandon(why string, stages ...stage) {
+// returned is waited for: it settles as soon as it has the lock. It
+// returns how many it gave up on. mu is held.
+func (m *Monitor) abandon(why string, stages ...stage) (gaveUp int) {
 	before := len(m.calls)
 	m.calls = slices.DeleteFunc(m.calls, func(c *call) bool {
 		if !c.runningIn(stages...) {
@@ -82,9 +91,10 @@ func (m *Monitor) abandon(why string, stages ...stage) {
 		m.abandonedDrops = append(m.abandonedDrops, m.drop(c.key.Name(), reason, c.it)...)
 		return true
 	})
-	if len(m.calls) < before {
+	if gaveUp = before - len(m.calls); gaveUp > 0 {
 		m.changed() // not otherwise: two Stops waiting would wake each other for ever
 	}
+	return gaveUp
 }
 
 // finishStop, once no call is left, waits for envelopes being taken, drops
@@ -122,12 +132,13 @@ func (m *Monitor) finishStop() {
 //
 // It returns nil if it lost nothing: its drain was done, or a Stop had
 // begun before it was called (what that Stop loses is its own). It
-// returns ctx's error if ctx ended with calls in progress, events left, a
-// Stop that cut its drain short or the stream reader still reading;
-// otherwise an error wrapping ErrStopped that says what its drain lost:
-// calls abandoned as they overran, events that stuck calls kept from every
-// worker, or a Stop that began before the drain was done. An event that
-// fails during the drain goes to the drop handler; it is not in the error.
+// returns ctx's error if ctx ended before the drain was done (handlers
+// still running, events left or the stream reader still reading), or its
+// stop abandoned a call as ctx ended. Otherwise it returns an error
+// wrapping ErrStopped that says what its drain lost: calls abandoned as
+// they overran, events that stuck calls held back, or a stop (Stop, or
+// another Shutdown as its ctx ended) that cut the drain short. An event that fails during the drain goes to the drop
+// handler; it is not in the error.
 func (m *Monitor) Shutdown(ctx context.Context) error {
 	ctx, done := m.waitingOn(ctx)
 	defer done()
@@ -144,17 +155,14 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	for m.state == draining && ctx.Err() == nil && m.drainable() {
 		m.cond.Wait()
 	}
-	// What is left as the stop begins, noted under the same lock so that no
-	// call starts between; the calls may yet return or be abandoned (by
-	// this stop or a Stop begun meanwhile).
-	o := drainOutcome{drainer: drainer, cut: drainer && m.drainCut, reading: m.stream.reader == consuming,
-		calls: len(m.calls), left: m.keys.Events()}
-	calls := slices.Clone(m.calls)
-	m.beginStop()
+	ended, ownStop := ctx.Err() != nil, m.state != stopped
+	m.beginStop(ended) // under the same lock: no call starts in between
+	o := drainOutcome{stopStart: m.stopStart, drainer: drainer, ended: ended}
+	o.cut = o.cut && !ownStop
 	m.mu.Unlock()
-	m.stop(ctx) // a Stop already waiting does not hold it past ctx
+	o.byCtx = m.stop(ctx) // a Stop already waiting does not hold it past ctx
 	m.mu.Lock()
-	for _, c := range calls {
+	for _, c := range o.calls { // they may have returned, or been abandoned by any stop
 		if c.stage == abandoned {
 			o.gaveUp++
 		}
@@ -163,45 +171,50 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	return o.err(ctx)
 }
 
-// drainOutcome is what a Shutdown's drain left as its stop began, and what
+// stopStart is what was left as the stop began.
+type stopStart struct {
+	cut     bool    // a Stop, or a Shutdown whose ctx ended, began it while a Shutdown drained
+	reading bool    // the stream reader was consuming
+	left    int     // events queued, which the stop drops
+	calls   []*call // in progress or being settled
+	running int     // of the calls, those whose handler had not returned
+}
+
+// drainOutcome is what a Shutdown's drain left as the stop began, and what
 // the stop then abandoned, from which Shutdown's result follows.
 type drainOutcome struct {
+	stopStart
 	drainer bool // no Stop had begun when Shutdown was called
-	cut     bool // a Stop began after Shutdown was called, with work left
-	reading bool // the stream reader was still consuming: ctx ended first
-	calls   int  // calls in progress
-	left    int  // events queued, which the stop drops
+	ended   bool // ctx had ended when the drain did
+	byCtx   int  // calls its stop abandoned as ctx ended, not overrunning
 	gaveUp  int  // of the calls, those abandoned
 }
+
+// unfinished reports whether the stop began with work left to drain.
+func (s stopStart) unfinished() bool { return s.left > 0 || s.reading || s.running > 0 }
 
 // err is Shutdown's result, as its doc says.
 func (o drainOutcome) err(ctx context.Context) error {
 	switch {
-	case ctx.Err() != nil && (o.calls > 0 || o.drainer && (o.left > 0 || o.cut || o.reading)):
+	case o.byCtx > 0 || o.ended && o.drainer && o.unfinished():
 		return fmt.Errorf("eventmonitor: shutdown: %w", ctx.Err())
 	case !o.drainer:
 		return nil // what a Stop begun before lost is not this Shutdown's to report
 	}
 	var lost []string
 	if o.gaveUp > 0 {
-		lost = append(lost, fmt.Sprintf("abandoned %d handler calls that overran their timeout", o.gaveUp))
+		lost = append(lost, fmt.Sprintf("abandoned %d handler calls still running", o.gaveUp))
 	}
 	switch {
-	case o.cut:
-		lost = append(lost, "was cut short: Stop began before its drain was done")
+	case o.cut && o.unfinished():
+		lost = append(lost, "was cut short: the monitor stopped before its drain was done")
 	case o.left > 0:
-		lost = append(lost, fmt.Sprintf("dropped %d events that stuck calls kept from every worker", o.left))
+		lost = append(lost, fmt.Sprintf("dropped %d events that stuck calls held back", o.left))
 	}
 	if len(lost) == 0 {
 		return nil
 	}
 	return fmt.Errorf("%w: shutdown %s", ErrStopped, strings.Join(lost, " and "))
-}
-
-// drained reports whether nothing is left to drain: no call, no event
-// queued, no stream reader that may yet take one. mu is held.
-func (m *Monitor) drained() bool {
-	return len(m.calls) == 0 && m.keys.Events() == 0 && m.stream.reader != consuming
 }
 
 // drainable reports whether a drain can still move: a call not stuck

@@ -178,6 +178,42 @@ func TestIntakeBackpressure(t *testing.T) {
 	assert.LessOrEqual(t, maxQueued, limit, "intake must not queue beyond its limit")
 }
 
+// Events of keys in backoff do not count against WithIntakeLimit: they wait
+// for their due time, not for a worker, and counting them would let one
+// failing key stop the stream for every other (review 23 asked).
+// WithMaxQueuedPerKey bounds them instead.
+func TestIntakeLimitLeavesKeysInBackoffOut(t *testing.T) {
+	handled := make(chan string, 1)
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		if v := e.(*wrapperspb.StringValue).GetValue(); v != "a" {
+			handled <- v
+			return nil
+		}
+		return errors.New("a's shim is not answering")
+	}), WithConverter(testConverter), WithIntakeLimit(1), WithMaxQueuedPerKey(5), WithLogger(quietLogger()))
+	stream := newFakeStream()
+	h.m.Subscribe(stream)
+	h.m.Start()
+	sub := <-stream.newSub
+	for range 20 {
+		sub.ch <- envelope(t, "ns", wrapperspb.String("a"))
+	}
+	sub.ch <- envelope(t, "ns", wrapperspb.String("b"))
+	select {
+	case v := <-handled:
+		require.Equal(t, "b", v)
+	case <-time.After(10 * time.Second):
+		t.Fatal("b was not handled: the stream stalled behind a's backoff")
+	}
+	h.settled(t)
+	s := h.m.Stats()
+	assert.Equal(t, 5, s.EventsInBackoff, "a holds WithMaxQueuedPerKey's 5 events: %+v", s)
+	assert.Equal(t, uint64(15), s.Dropped, "the rest dropped with ErrQueueFull: %+v", s)
+	for _, d := range h.drops.all() {
+		assert.ErrorIs(t, d.Reason, ErrQueueFull)
+	}
+}
+
 func TestRunResubscribesWithBackoff(t *testing.T) {
 	r := newRecorder()
 	stream := newFakeStream()

@@ -18,9 +18,9 @@
 //
 //	Failed            the event goes back to the head and the key waits the
 //	                  delay doubled (up to the cap) if the call was a
-//	                  replay's first (its event failed before, or came by
-//	                  PushBackoff), else the initial delay, so independent
-//	                  failures keep moving
+//	                  replay's first (the head of the queue that waited),
+//	                  else the initial delay, so independent failures keep
+//	                  moving
 //	Replay (when due) the events then queued are the replay; events pushed
 //	                  later wait behind it, outside it
 //	Done, replay's    the key leaves backoff, its delay reset
@@ -206,7 +206,7 @@ func (s *Set[T]) Done(k *Key[T]) {
 func (s *Set[T]) Failed(k *Key[T], it T, now time.Time) {
 	s.uncount(k)
 	k.items = slices.Insert(k.items, 0, it) // failures are rare: a copy is fine
-	// The replay's first call failed: its event failed before, or came by PushBackoff.
+	// The replay's first call failed: the key still fails, so it waits longer.
 	if b := k.backoff; b != nil && k.inCall() && b.taken == 1 {
 		b.delay = doubled(b.delay, s.delays.Max)
 		b.due, b.taken, b.replayLeft, b.next = s.dueAfter(now, b.delay), 0, 0, time.Time{}
