@@ -155,10 +155,9 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	for m.state == draining && ctx.Err() == nil && m.drainable() {
 		m.cond.Wait()
 	}
-	ended, ownStop := ctx.Err() != nil, m.state != stopped
+	ended := ctx.Err() != nil
 	m.beginStop(ended) // under the same lock: no call starts in between
 	o := drainOutcome{stopStart: m.stopStart, drainer: drainer, ended: ended}
-	o.cut = o.cut && !ownStop
 	m.mu.Unlock()
 	o.byCtx = m.stop(ctx) // a Stop already waiting does not hold it past ctx
 	m.mu.Lock()
