@@ -864,3 +864,90 @@ func TestShutdownWhoseCtxEndsAfterTheDrainReportsWhatTheDrainLost(t *testing.T) 
 	require.Len(t, drops.all(), 1, "a/1 abandoned and dropped")
 	require.ErrorIs(t, err, ErrStopped, "ctx was live when the drain ended and the call was abandoned; got %v", err)
 }
+
+// awaitErr returns what shut delivers, failing the test if it takes 10 s.
+func awaitErr(t *testing.T, shut <-chan error) error {
+	t.Helper()
+	select {
+	case err := <-shut:
+		return err
+	case <-time.After(10 * time.Second):
+		t.Fatal("Shutdown hung")
+		return nil
+	}
+}
+
+// A Stop cuts the drain while Shutdown waits for the stream reader; ctx
+// ends only afterwards, costing nothing. Shutdown reports the cut
+// (ErrStopped), as when ctx never ends (review 24: ctx's error, as it read
+// its ctx when it woke, not as the stop began, and waited for the reader
+// after the Stop).
+func TestShutdownCutByAStopReportsTheCutWhenCtxEndsAfter(t *testing.T) {
+	for _, ctxEnds := range []bool{false, true} {
+		t.Run(map[bool]string{false: "ctxLive", true: "ctxEndsAfterTheStop"}[ctxEnds], func(t *testing.T) {
+			h, convert := readerInConverter(t) // the reader holds a/0: Shutdown waits for it
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			shut := shutdownBegun(t, h, ctx)
+			stopDone := make(chan struct{})
+			go func() { defer close(stopDone); h.m.Stop() }()
+			waitFor(t, stateIs(h.m, stopped), "Stop began, cutting the drain before it began")
+			if ctxEnds {
+				cancel() // after the cut: Shutdown's derived ctx has ended once this returns
+			}
+			convert() // a/0 is refused: the Stop drops it
+			<-stopDone
+			err := awaitErr(t, shut)
+
+			reason, ok := dropReason(h, ev{"a", 0})
+			require.True(t, ok, "a/0 dropped by the Stop: %+v", h.drops.all())
+			require.ErrorIs(t, reason, ErrStopped)
+			require.NotErrorIs(t, err, context.Canceled,
+				"ctx ended only after the Stop had cut the drain and abandoned nothing; got %v", err)
+			require.ErrorIs(t, err, ErrStopped, "the Stop cut the drain short")
+		})
+	}
+}
+
+// Two Shutdowns wait for one drain, which a/1 ends by overrunning. The
+// first to wake stops with its ctx live; only then does the second's ctx
+// end, costing nothing. Both report the abandoned call (review 24: the
+// second returned ctx's error in about 3 rounds in 10, whenever it had not
+// woken before its ctx ended).
+func TestSecondShutdownWhoseCtxEndsAfterAnotherStoppedReportsWhatTheDrainLost(t *testing.T) {
+	canceled := 0
+	const rounds = 20
+	for round := 0; round < rounds; round++ {
+		release := make(chan struct{})
+		started := make(chan struct{}, 1)
+		h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+			started <- struct{}{}
+			<-release // ignores its ctx: overruns
+			return nil
+		}), WithLogger(quietLogger()), WithWorkers(1))
+		var once sync.Once
+		t.Cleanup(func() { once.Do(func() { close(release) }) }) // before the harness's leak check
+		h.submit(t, ev{"a", 1})
+		<-started
+		errs := make(chan error, 2)
+		ctx, cancel := context.WithCancel(context.Background())
+		for _, c := range []context.Context{context.Background(), ctx} {
+			go func() { errs <- h.m.Shutdown(c) }()
+		}
+		waitFor(t, func() bool { return goroutinesWaitingIn("(*Monitor).Shutdown") == 2 }, "both Shutdowns wait for the drain")
+		h.clock.Step(DefaultHandleTimeout + time.Second) // a/1 overruns: the drain is done
+		<-h.m.stopping                                   // a Shutdown, its ctx live, began the stop
+		cancel()                                         // the second's ctx ends only now
+		for range 2 {
+			if err := awaitErr(t, errs); errors.Is(err, context.Canceled) {
+				canceled++
+			} else {
+				require.ErrorIs(t, err, ErrStopped, "round %d", round)
+				require.ErrorContains(t, err, "abandoned 1 handler calls", "round %d", round)
+			}
+		}
+		once.Do(func() { close(release) })
+	}
+	require.Zero(t, canceled, "in %d of %d rounds a Shutdown whose ctx ended after the drain was done "+
+		"(the stop had begun, with its ctx live) returned ctx's error", canceled, rounds)
+}

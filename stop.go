@@ -133,19 +133,20 @@ func (m *Monitor) finishStop() {
 // It returns nil if it lost nothing: its drain was done, or a Stop had
 // begun before it was called (what that Stop loses is its own). It
 // returns ctx's error if ctx ended before the drain was done (handlers
-// still running, events left or the stream reader still reading), or its
-// stop abandoned a call as ctx ended. Otherwise it returns an error
-// wrapping ErrStopped that says what its drain lost: calls abandoned as
-// they overran, events that stuck calls held back, or a stop (Stop, or
-// another Shutdown as its ctx ended) that cut the drain short. An event that fails during the drain goes to the drop
-// handler; it is not in the error.
+// still running, events left, or the stream reader not yet done: it may
+// take an envelope, which the stop drops), or its stop abandoned a call as
+// ctx ended. Otherwise it returns an error wrapping ErrStopped that says
+// what its drain lost: calls abandoned as they overran, events that stuck
+// calls held back, or a stop (Stop, or another Shutdown as its ctx ended)
+// that cut the drain short. An event that fails during the drain goes to
+// the drop handler; it is not in the error.
 func (m *Monitor) Shutdown(ctx context.Context) error {
 	ctx, done := m.waitingOn(ctx)
 	defer done()
 	m.mu.Lock()
 	drainer := m.state != stopped // else a Stop left it nothing to drain
 	m.endIntake()
-	for m.stream.reader == consuming && ctx.Err() == nil {
+	for m.stream.reader == consuming && m.state != stopped && ctx.Err() == nil {
 		m.cond.Wait() // what the reader takes until it sees intake end is queued, then drained
 	}
 	if m.state.accepts() && ctx.Err() == nil { // ctx ended: no drain to start, stop at once
@@ -155,8 +156,10 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	for m.state == draining && ctx.Err() == nil && m.drainable() {
 		m.cond.Wait()
 	}
-	ended := ctx.Err() != nil
-	m.beginStop(ended) // under the same lock: no call starts in between
+	// ctx counts only if it ends the drain, not if another stop did first;
+	// the stop begins under the same lock, so no call starts in between.
+	ended := ctx.Err() != nil && m.state != stopped
+	m.beginStop(ended)
 	o := drainOutcome{stopStart: m.stopStart, drainer: drainer, ended: ended}
 	m.mu.Unlock()
 	o.byCtx = m.stop(ctx) // a Stop already waiting does not hold it past ctx
@@ -202,7 +205,7 @@ func (o drainOutcome) err(ctx context.Context) error {
 	}
 	var lost []string
 	if o.gaveUp > 0 {
-		lost = append(lost, fmt.Sprintf("abandoned %d handler calls still running", o.gaveUp))
+		lost = append(lost, fmt.Sprintf("abandoned %d handler calls", o.gaveUp))
 	}
 	switch {
 	case o.cut && o.unfinished():
