@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -290,17 +291,35 @@ func releaseAfter(release chan struct{}, spins int) {
 	close(release)
 }
 
-// goroutinesIn counts the goroutines whose stack holds frame.
-func goroutinesIn(frame string) int {
+// goroutinesIn counts the goroutines whose stack holds every one of frames.
+func goroutinesIn(frames ...string) int {
 	buf := make([]byte, 1<<20)
 	buf = buf[:runtime.Stack(buf, true)]
 	n := 0
 	for _, g := range strings.Split(string(buf), "\n\n") {
-		if strings.Contains(g, frame) {
+		if !slices.ContainsFunc(frames, func(f string) bool { return !strings.Contains(g, f) }) {
 			n++
 		}
 	}
 	return n
+}
+
+// stuckOnA returns a harness with one worker whose handler ignores its ctx
+// until release is called (at cleanup at the latest), with a/1 running.
+func stuckOnA(t *testing.T, opts ...Option) (h *harness, release func()) {
+	unblock := make(chan struct{})
+	started := make(chan struct{}, 1)
+	h = newHarness(t, HandlerFunc(func(context.Context, any) error {
+		started <- struct{}{}
+		<-unblock // ignores its ctx: overruns
+		return nil
+	}), append([]Option{WithLogger(quietLogger()), WithWorkers(1)}, opts...)...)
+	var once sync.Once
+	release = func() { once.Do(func() { close(unblock) }) }
+	t.Cleanup(release) // before the harness's own, which checks for leaks
+	h.submit(t, ev{"a", 1})
+	<-started
+	return h, release
 }
 
 // Promise (Shutdown's doc and contract): Shutdown returns nil when a Stop
@@ -310,16 +329,7 @@ func goroutinesIn(frame string) int {
 // Stop abandons it. Before the fix Shutdown counted that abandoned call,
 // though it was never its drain's, and returned ErrStopped.
 func TestShutdownAfterStopReportsNothingOfItsOwn(t *testing.T) {
-	release := make(chan struct{})
-	defer close(release)
-	started := make(chan struct{}, 1)
-	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
-		started <- struct{}{}
-		<-release // ignores ctx
-		return nil
-	}), WithLogger(quietLogger()), WithWorkers(1))
-	h.submit(t, ev{"a", 1})
-	<-started
+	h, _ := stuckOnA(t)
 
 	stopDone := make(chan struct{})
 	go func() { h.m.Stop(); close(stopDone) }()
@@ -736,41 +746,18 @@ func TestShutdownResultFollowsWhatItsDrainLost(t *testing.T) {
 	assert.ErrorContains(t, err, "dropped 1 events that stuck calls held back")
 }
 
-// goroutinesWaitingIn counts the goroutines blocked on a sync.Cond with
-// frame on their stack.
-func goroutinesWaitingIn(frame string) int {
-	buf := make([]byte, 1<<20)
-	buf = buf[:runtime.Stack(buf, true)]
-	n := 0
-	for _, g := range strings.Split(string(buf), "\n\n") {
-		if strings.Contains(g, frame) && strings.Contains(g, "sync.(*Cond).Wait") {
-			n++
-		}
-	}
-	return n
-}
-
 // Two Shutdowns wait for one drain, which a stuck call ends; no Stop is
 // called. Both report the abandoned call, and neither a cut (review 23:
 // the second read the first's own stop as a Stop that cut its drain short).
 func TestConcurrentShutdownsReportTheSameLoss(t *testing.T) {
-	release := make(chan struct{})
-	defer close(release)
-	started := make(chan struct{}, 1)
-	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
-		started <- struct{}{}
-		<-release // ignores its ctx: overruns
-		return nil
-	}), WithLogger(quietLogger()), WithWorkers(1))
-	h.submit(t, ev{"a", 1})
-	<-started
+	h, _ := stuckOnA(t)
 	errs := make(chan error, 2)
 	for range 2 {
 		go func() { errs <- h.m.Shutdown(context.Background()) }()
 	}
 	// Both wait in the drain loop for a/1, which has not overrun yet.
 	waitFor(t, func() bool {
-		return goroutinesWaitingIn("(*Monitor).Shutdown") == 2
+		return goroutinesIn("(*Monitor).Shutdown", "sync.(*Cond).Wait") == 2
 	}, "both Shutdowns wait for the drain")
 	h.clock.Step(DefaultHandleTimeout + time.Second) // a/1 overruns: the drain can move no more
 	var got []error
@@ -817,7 +804,7 @@ func TestShutdownWhoseCtxEndsAsACallIsReportedLosesNothing(t *testing.T) {
 	require.Equal(t, 0, h.m.Stats().InFlight, "Stats: no call in flight")
 	ctx, cancel := context.WithCancel(context.Background())
 	shut := shutdownBegun(t, h, ctx)
-	waitFor(t, func() bool { return goroutinesWaitingIn("(*Monitor).Shutdown") == 1 }, "Shutdown waits")
+	waitFor(t, func() bool { return goroutinesIn("(*Monitor).Shutdown", "sync.(*Cond).Wait") == 1 }, "Shutdown waits")
 	cancel()
 	waitFor(t, func() bool {
 		h.m.mu.Lock()
@@ -844,21 +831,12 @@ func TestShutdownWhoseCtxEndsAsACallIsReportedLosesNothing(t *testing.T) {
 // (review 23: ctx's error, read as Shutdown returned rather than as the
 // drain ended).
 func TestShutdownWhoseCtxEndsAfterTheDrainReportsWhatTheDrainLost(t *testing.T) {
-	release := make(chan struct{})
-	defer close(release)
-	started := make(chan struct{}, 1)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	h := newHarness(t, HandlerFunc(func(context.Context, any) error {
-		started <- struct{}{}
-		<-release // ignores its ctx: overruns
-		return nil
-	}), WithLogger(quietLogger()), WithWorkers(1))
+	h, _ := stuckOnA(t)
 	var drops dropLog
 	h.m.cfg.onDrop = func(d Drop) { drops.add(d); cancel() } // ctx ends after the drain, during the stop
-	h.submit(t, ev{"a", 1})
-	<-started
-	h.clock.Step(DefaultHandleTimeout + time.Second) // a/1 overruns before Shutdown: the drain can move no more
+	h.clock.Step(DefaultHandleTimeout + time.Second)         // a/1 overruns before Shutdown: the drain can move no more
 	waitFor(t, func() bool { return h.m.Stats().Overrunning == 1 }, "a/1 overruns")
 	err := h.m.Shutdown(ctx)
 	require.Len(t, drops.all(), 1, "a/1 abandoned and dropped")
@@ -918,23 +896,13 @@ func TestSecondShutdownWhoseCtxEndsAfterAnotherStoppedReportsWhatTheDrainLost(t 
 	canceled := 0
 	const rounds = 20
 	for round := 0; round < rounds; round++ {
-		release := make(chan struct{})
-		started := make(chan struct{}, 1)
-		h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
-			started <- struct{}{}
-			<-release // ignores its ctx: overruns
-			return nil
-		}), WithLogger(quietLogger()), WithWorkers(1))
-		var once sync.Once
-		t.Cleanup(func() { once.Do(func() { close(release) }) }) // before the harness's leak check
-		h.submit(t, ev{"a", 1})
-		<-started
+		h, release := stuckOnA(t)
 		errs := make(chan error, 2)
 		ctx, cancel := context.WithCancel(context.Background())
 		for _, c := range []context.Context{context.Background(), ctx} {
 			go func() { errs <- h.m.Shutdown(c) }()
 		}
-		waitFor(t, func() bool { return goroutinesWaitingIn("(*Monitor).Shutdown") == 2 }, "both Shutdowns wait for the drain")
+		waitFor(t, func() bool { return goroutinesIn("(*Monitor).Shutdown", "sync.(*Cond).Wait") == 2 }, "both Shutdowns wait for the drain")
 		h.clock.Step(DefaultHandleTimeout + time.Second) // a/1 overruns: the drain is done
 		<-h.m.stopping                                   // a Shutdown, its ctx live, began the stop
 		cancel()                                         // the second's ctx ends only now
@@ -946,7 +914,7 @@ func TestSecondShutdownWhoseCtxEndsAfterAnotherStoppedReportsWhatTheDrainLost(t 
 				require.ErrorContains(t, err, "abandoned 1 handler calls", "round %d", round)
 			}
 		}
-		once.Do(func() { close(release) })
+		release()
 	}
 	require.Zero(t, canceled, "in %d of %d rounds a Shutdown whose ctx ended after the drain was done "+
 		"(the stop had begun, with its ctx live) returned ctx's error", canceled, rounds)
