@@ -10,7 +10,9 @@ import (
 
 // NextRetry returns when the next backoff replay is due, and false if no
 // key is waiting in backoff. A key given Backoff while its call runs
-// starts waiting when the call ends: call WaitIdle first.
+// starts waiting when the call ends: call WaitIdle first. A held monitor
+// (WithDeferredStart) replays nothing until Start, Run or Shutdown, even
+// when that time comes.
 func (m *Monitor) NextRetry() (time.Time, bool) {
 	m.mu.Lock()
 	defer m.mu.Unlock()

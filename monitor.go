@@ -241,7 +241,9 @@ func (m *Monitor) accept(key string, it item, from source) (*keyq.Key[item], err
 	return m.keys.Push(key, it), nil
 }
 
-// InBackoff reports whether key has events waiting in backoff or replaying.
+// InBackoff reports whether key is in backoff: waiting for its due time, or
+// replaying (until the replay's last call ends, so that a key may be in
+// backoff with no event left).
 func (m *Monitor) InBackoff(key string) bool {
 	m.mu.Lock()
 	defer m.mu.Unlock()

@@ -18,7 +18,8 @@ type Stats struct {
 	// envelopes; Ignored: types the converter does not key or the handler
 	// returned ErrUnsupportedEvent for (not ours: not drops);
 	// Handled, Failed: handler calls that succeeded, or failed or panicked;
-	// Retried: backoff replays started; Dropped: events given to the drop
+	// Retried: backoff replays begun (a replay Forget empties before its
+	// first call counts too); Dropped: events given to the drop
 	// handler; Forgotten: events returned by Forget; Resubscribed: Run's resubscriptions.
 	Received, Filtered, Ignored, Handled, Failed, Retried, Dropped, Forgotten, Resubscribed uint64
 	// InFlight: running handler calls, including Overrunning: calls past

@@ -200,9 +200,9 @@ func (s *Set[T]) Done(k *Key[T]) {
 }
 
 // Failed ends k's call with its event it back at the head; the key waits
-// from now, as the package doc's rule says. The initial delay replaces a
-// wait PushBackoff gave during the call or replay: that would be due no
-// later.
+// from now, as the package doc's rule says. That wait replaces any that
+// PushBackoff gave during the call or replay, which would have been due no
+// later than it.
 func (s *Set[T]) Failed(k *Key[T], it T, now time.Time) {
 	s.uncount(k)
 	k.items = slices.Insert(k.items, 0, it) // failures are rare: a copy is fine
