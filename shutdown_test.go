@@ -59,9 +59,8 @@ func TestShutdownDeadlineDropsTheRest(t *testing.T) {
 	go func() { done <- h.m.Shutdown(ctx) }()
 	waitFor(t, h.stopping, "Shutdown begins")
 	cancel() // Shutdown gives up draining and Stops at once: a/1, ignoring its ctx, is abandoned
-	waitFor(t, stateIs(h.m, stopped), "Shutdown gives up and stops")
-	release()
 	err := <-done
+	release() // only now: released as the stop begins, a/1 may return in time to be handled
 	require.ErrorIs(t, err, context.Canceled)
 	drops := h.drops.all()
 	require.Len(t, drops, 2)
