@@ -161,12 +161,7 @@ func TestShutdownDrainsABackoffGivenDuringAReplay(t *testing.T) {
 	go func() { done <- h.m.Shutdown(context.Background()) }()
 	waitFor(t, h.stopping, "Shutdown began")
 	release()
-	select {
-	case err := <-done:
-		require.NoError(t, err)
-	case <-time.After(10 * time.Second):
-		t.Fatal("Shutdown hung on a key waiting again after its replay")
-	}
+	require.NoError(t, awaitErr(t, done), "a key waiting again after its replay")
 	require.Equal(t, anys(ev{"a", 1}, ev{"a", 2}), r.handledList())
 	require.Empty(t, h.drops.all())
 }
@@ -529,6 +524,18 @@ func shutdownBegun(t *testing.T, h *harness, ctx context.Context) <-chan error {
 	return shut
 }
 
+// awaitErr returns what shut delivers, failing the test if it takes 10 s.
+func awaitErr(t *testing.T, shut <-chan error) error {
+	t.Helper()
+	select {
+	case err := <-shut:
+		return err
+	case <-time.After(10 * time.Second):
+		t.Fatal("Shutdown hung")
+		return nil
+	}
+}
+
 // Shutdown whose ctx has already ended stops at once: it starts no drain.
 // The one event waits in backoff, not due; it is dropped with ErrStopped,
 // never replayed nor handed to the handler (review 18: the drain began,
@@ -730,8 +737,8 @@ func TestShutdownResultFollowsWhatItsDrainLost(t *testing.T) {
 		{"stuck calls abandoned and their key's events dropped", drainOutcome{stopStart: stopStart{left: 1}, drainer: true, gaveUp: 1}, live, ErrStopped},
 		{"stuck call abandoned, ctx ended after the drain (review 23)", drainOutcome{drainer: true, gaveUp: 1}, ended, ErrStopped},
 		{"a Stop had begun before", drainOutcome{stopStart: stopStart{left: 3}, gaveUp: 1}, live, nil},
-		{"a Stop had begun before and had ended, ctx ended", drainOutcome{ended: true}, ended, nil},
-		{"a Stop had begun before, calls abandoned as ctx ended", drainOutcome{ended: true, byCtx: 1, gaveUp: 1}, ended, context.Canceled},
+		{"a Stop had begun before and had ended, ctx ended", drainOutcome{}, ended, nil},
+		{"a Stop had begun before, calls abandoned as ctx ended", drainOutcome{byCtx: 1, gaveUp: 1}, ended, context.Canceled},
 	} {
 		err := tc.o.err(tc.ctx)
 		if tc.want == nil {
@@ -759,15 +766,7 @@ func TestConcurrentShutdownsReportTheSameLoss(t *testing.T) {
 		return goroutinesIn("(*Monitor).Shutdown", "sync.(*Cond).Wait") == 2
 	}, "both Shutdowns wait for the drain")
 	h.clock.Step(DefaultHandleTimeout + time.Second) // a/1 overruns: the drain can move no more
-	var got []error
-	for range 2 {
-		select {
-		case err := <-errs:
-			got = append(got, err)
-		case <-time.After(10 * time.Second):
-			t.Fatal("Shutdown hung")
-		}
-	}
+	got := []error{awaitErr(t, errs), awaitErr(t, errs)}
 	for _, err := range got {
 		require.ErrorIs(t, err, ErrStopped)
 		require.ErrorContains(t, err, "abandoned 1 handler calls")
@@ -805,18 +804,9 @@ func TestShutdownWhoseCtxEndsAsACallIsReportedLosesNothing(t *testing.T) {
 	shut := shutdownBegun(t, h, ctx)
 	waitFor(t, func() bool { return goroutinesIn("(*Monitor).Shutdown", "sync.(*Cond).Wait") == 1 }, "Shutdown waits")
 	cancel()
-	waitFor(t, func() bool {
-		h.m.mu.Lock()
-		defer h.m.mu.Unlock()
-		return h.m.state == stopped
-	}, "Shutdown sees ctx end and stops, waiting for a/1's report")
+	waitFor(t, stateIs(h.m, stopped), "Shutdown sees ctx end and stops, waiting for a/1's report")
 	close(bm.release)
-	var err error
-	select {
-	case err = <-shut:
-	case <-time.After(10 * time.Second):
-		t.Fatal("Shutdown hung")
-	}
+	err := awaitErr(t, shut)
 	require.Equal(t, anys(ev{"a", 1}), r.handledList())
 	require.Empty(t, h.drops.all())
 	require.Equal(t, uint64(1), h.m.Stats().Handled)
@@ -840,18 +830,6 @@ func TestShutdownWhoseCtxEndsAfterTheDrainReportsWhatTheDrainLost(t *testing.T) 
 	err := h.m.Shutdown(ctx)
 	require.Len(t, drops.all(), 1, "a/1 abandoned and dropped")
 	require.ErrorIs(t, err, ErrStopped, "ctx was live when the drain ended and the call was abandoned; got %v", err)
-}
-
-// awaitErr returns what shut delivers, failing the test if it takes 10 s.
-func awaitErr(t *testing.T, shut <-chan error) error {
-	t.Helper()
-	select {
-	case err := <-shut:
-		return err
-	case <-time.After(10 * time.Second):
-		t.Fatal("Shutdown hung")
-		return nil
-	}
 }
 
 // A Stop cuts the drain while Shutdown waits for the stream reader; ctx

@@ -59,14 +59,12 @@ func (m *Monitor) beginStop(cuts bool) {
 	}
 	m.stopStart = stopStart{cut: cuts && shutdownCalled, reading: m.stream.reader == consuming,
 		left: m.keys.Events(), calls: slices.Clone(m.calls)}
+	m.state = stopped
+	close(m.stopping)
 	for _, c := range m.calls {
 		if c.progress.Load() != returned {
 			m.stopStart.running++
 		}
-	}
-	m.state = stopped
-	close(m.stopping)
-	for _, c := range m.calls {
 		c.cancel(context.Canceled)
 	}
 	m.changed()
@@ -187,7 +185,7 @@ type stopStart struct {
 type drainOutcome struct {
 	stopStart
 	drainer bool // no Stop had begun when Shutdown was called
-	ended   bool // ctx had ended when the drain did
+	ended   bool // ctx had ended when the drain did (so it was a drainer)
 	byCtx   int  // calls its stop abandoned as ctx ended, not overrunning
 	gaveUp  int  // of the calls, those abandoned
 }
@@ -198,7 +196,7 @@ func (s stopStart) unfinished() bool { return s.left > 0 || s.reading || s.runni
 // err is Shutdown's result, as its doc says.
 func (o drainOutcome) err(ctx context.Context) error {
 	switch {
-	case o.byCtx > 0 || o.ended && o.drainer && o.unfinished():
+	case o.byCtx > 0 || o.ended && o.unfinished():
 		return fmt.Errorf("eventmonitor: shutdown: %w", ctx.Err())
 	case !o.drainer:
 		return nil // what a Stop begun before lost is not this Shutdown's to report
