@@ -132,16 +132,57 @@ func (m *Monitor) work(c *call) {
 	}
 }
 
-// handle makes call c, settles and reports its outcome, and returns the
-// next call its slot (if it holds one) takes on, under the same lock.
+// handle makes call c and returns the next call its slot, if it holds
+// one, takes on (see finish).
 func (m *Monitor) handle(c *call) (next *call) {
 	if c.replayStart {
-		m.logRetry(c) // before the CAS: a log hook may block, and only the handler may follow it
+		// Before the CAS: a call held up in a log hook has invoked no
+		// handler yet, so Stop may still withdraw it.
+		m.logRetry(c)
 	}
 	if !c.progress.CompareAndSwap(notBegun, invoked) {
 		return nil // Stop withdrew it before it began, and accounted for it
 	}
 	ignored, err := m.invoke(c)
+	return m.finish(c, ignored, err)
+}
+
+// invoke calls the handler (ignored: its error is ErrUnsupportedEvent),
+// turning a panic into ErrHandlerPanic, one in errors.Is too. A handler
+// that ends its goroutine with runtime.Goexit (t.FailNow in a test's
+// handler) fails the same way; the goroutine finishes the call as it
+// unwinds, and a new one takes on its slot's next call.
+func (m *Monitor) invoke(c *call) (ignored bool, err error) {
+	returned := false
+	defer func() {
+		r := recover()
+		if returned && r == nil {
+			return
+		}
+		what := "panicked"
+		if r != nil {
+			err = fmt.Errorf("%w: %s", ErrHandlerPanic, panicked(r))
+		} else {
+			what, err = "called runtime.Goexit", fmt.Errorf("%w: it called runtime.Goexit, as t.FailNow does", ErrHandlerPanic)
+		}
+		ignored = false
+		m.cfg.logger.WithFields(log.Fields{"key": c.key.Name(), "stack": string(debug.Stack())}).
+			WithError(err).Error("event handler " + what)
+		if r == nil { // the goroutine ends once this returns
+			if next := m.finish(c, false, err); next != nil {
+				go m.work(next)
+			}
+		}
+	}()
+	err = checked(m.handler.HandleEvent(c, c.it.event))
+	ignored = errors.Is(err, ErrUnsupportedEvent)
+	returned = true
+	return ignored, err
+}
+
+// finish settles returned call c and reports its outcome, and returns the
+// next call its slot (if it holds one) takes on, under the same lock.
+func (m *Monitor) finish(c *call, ignored bool, err error) (next *call) {
 	c.progress.Store(returned) // no user code is left: Stop waits, not abandons
 	c.cancel(context.Canceled) // what the handler started with ctx stops
 	var end time.Time
@@ -172,20 +213,6 @@ func (m *Monitor) handle(c *call) (next *call) {
 	m.changed()
 	m.mu.Unlock()
 	return next
-}
-
-// invoke calls the handler (ignored: its error is ErrUnsupportedEvent),
-// turning a panic into ErrHandlerPanic, one in errors.Is too.
-func (m *Monitor) invoke(c *call) (ignored bool, err error) {
-	defer func() {
-		if r := recover(); r != nil {
-			ignored, err = false, fmt.Errorf("%w: %s", ErrHandlerPanic, panicked(r))
-			m.cfg.logger.WithFields(log.Fields{"key": c.key.Name(), "stack": string(debug.Stack())}).
-				WithError(err).Error("event handler panicked")
-		}
-	}()
-	err = checked(m.handler.HandleEvent(c, c.it.event))
-	return errors.Is(err, ErrUnsupportedEvent), err
 }
 
 // settle records a returned call's outcome: handled, ignored (no route),

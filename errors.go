@@ -60,7 +60,8 @@ var (
 	ErrQueueFull = errors.New("eventmonitor: key queue full")
 	// ErrStopped: the monitor is stopped or shutting down.
 	ErrStopped = errors.New("eventmonitor: monitor stopped")
-	// ErrHandlerPanic: the handler panicked; the event counts as failed.
+	// ErrHandlerPanic: the handler panicked or ended its goroutine
+	// (runtime.Goexit); the event counts as failed.
 	ErrHandlerPanic = errors.New("eventmonitor: handler panicked")
 	// ErrInvalidOption: New was given an unusable option value.
 	ErrInvalidOption = errors.New("eventmonitor: invalid option")

@@ -28,17 +28,18 @@ const UnknownExitCode = 255
 // backs it off like any event.
 //
 // The returned channel is closed once the exit was handled or queued, ctx
-// ended (the exit is then not handled) or Stop began while it waited; an
-// exit handled in the watcher's goroutine closes it when its handler
-// returns, even one Stop abandoned (so does containerd's stopCh). An exit
-// not yet queued when Shutdown is called (arriving later, or still being
-// read or built) is dropped with ErrStopped, as is one a watcher reads
-// once Stop began; a watcher that saw Stop begin reads no more, so an exit
-// sent then may stay in exitCh (a WatchExit after Stop returns a closed
-// channel). A nil m, exitCh or event panics at once, not in the goroutine.
+// ended (an exit taken as or after it ended is not handled) or Stop began
+// while it waited; an exit handled in the watcher's goroutine closes it
+// when its handler returns, even one Stop abandoned (so does containerd's
+// stopCh). An exit not yet queued when Shutdown is called (arriving later,
+// or still being read or built) is dropped with ErrStopped, as is one a
+// watcher reads once Stop began; a watcher that saw Stop begin reads no
+// more, so an exit sent then may stay in exitCh (a WatchExit after Stop
+// returns a closed channel). A nil ctx, m, exitCh or event panics at once,
+// not in the goroutine.
 func WatchExit[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh <-chan S,
 	event func(code uint32, exitedAt time.Time) any) <-chan struct{} {
-	mustWatch("WatchExit", m, exitCh == nil, event == nil)
+	mustWatch("WatchExit", ctx, m, exitCh == nil, event == nil)
 	return WatchExitResult(ctx, m, key, exitCh, func(code uint32, exitedAt time.Time, _ error) any {
 		return event(code, exitedAt)
 	})
@@ -49,7 +50,7 @@ func WatchExit[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh
 // ErrNoExitStatus (with code UnknownExitCode and exitedAt the clock's now).
 func WatchExitResult[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh <-chan S,
 	event func(code uint32, exitedAt time.Time, err error) any) <-chan struct{} {
-	mustWatch("WatchExitResult", m, exitCh == nil, event == nil)
+	mustWatch("WatchExitResult", ctx, m, exitCh == nil, event == nil)
 	done := make(chan struct{})
 	m.mu.Lock()
 	if m.state == stopped {
@@ -61,27 +62,36 @@ func WatchExitResult[S ExitStatus](ctx context.Context, m *Monitor, key string, 
 	m.mu.Unlock()
 	go func() {
 		defer close(done)
+		var s S
+		arrived, received := false, false // an exit, or exitCh's close, was taken
 		select {
 		case <-ctx.Done():
-		case s, ok := <-exitCh:
-			m.handleExit(key, s, ok, event)
-			return
+		case s, received = <-exitCh:
+			arrived = true
 		case <-m.stopping:
 			select { // an exit already there is accounted for: dropped, not lost
-			case s, ok := <-exitCh:
-				m.handleExit(key, s, ok, event)
-				return
+			case s, received = <-exitCh:
+				arrived = true
 			default:
 			}
 		}
-		m.watchers.Done()
+		if !arrived || ctx.Err() != nil { // an ended ctx wins over an exit taken beside it
+			m.watchers.Done()
+			return
+		}
+		if c := m.queueExit(key, s, received, event); c != nil {
+			m.handle(c) // holds no slot: takes nothing on
+		}
 	}()
 	return done
 }
 
-// mustWatch panics, naming caller, on a nil Monitor, exit channel or builder.
-func mustWatch(caller string, m *Monitor, noChannel, noBuilder bool) {
+// mustWatch panics, naming caller, on a nil ctx, Monitor, exit channel or
+// builder.
+func mustWatch(caller string, ctx context.Context, m *Monitor, noChannel, noBuilder bool) {
 	switch {
+	case ctx == nil:
+		panic("eventmonitor: " + caller + " with a nil ctx")
 	case m == nil:
 		panic("eventmonitor: " + caller + " with a nil Monitor")
 	case noChannel:
@@ -100,12 +110,15 @@ var (
 	errExitBuilderPanic = fmt.Errorf("%w: exit event builder panicked", ErrInvalidEvent)
 )
 
-// handleExit reads s (received: exitCh was not closed empty), accepts the
-// event build makes and, on an idle key, handles it at once through a
-// worker's call path but holding no slot. The watcher stops counting for
-// Stop before the call: Stop waits for calls, and abandons stuck ones.
-func (m *Monitor) handleExit(key string, s ExitStatus, received bool, build func(uint32, time.Time, error) any) {
+// queueExit reads s (received: exitCh was not closed empty) and accepts
+// the event build makes. On an idle key it returns a call for the watcher
+// to make at once, through a worker's call path but holding no slot. The
+// watcher stops counting for Stop before that call: Stop waits for calls,
+// and abandons stuck ones.
+func (m *Monitor) queueExit(key string, s ExitStatus, received bool, build func(uint32, time.Time, error) any) *call {
 	m.inHand()
+	defer m.watchers.Done() // deferred, as is the next: user code may end the goroutine
+	defer m.outOfHand()
 	code, at, err := uint32(UnknownExitCode), time.Time{}, error(ErrNoExitStatus)
 	if received {
 		func() {
@@ -140,9 +153,5 @@ func (m *Monitor) handleExit(key string, s ExitStatus, received bool, build func
 	m.changed()
 	m.mu.Unlock()
 	m.emit(drops...)
-	m.outOfHand()
-	m.watchers.Done()
-	if c != nil {
-		m.handle(c) // holds no slot: takes nothing on
-	}
+	return c
 }

@@ -84,6 +84,24 @@ func TestWatchExitCancelled(t *testing.T) {
 	assert.Zero(t, h.m.Stats().Received)
 }
 
+// An ended ctx wins over an exit already waiting: the watcher's select
+// would pick between them at random.
+func TestWatchExitWithAnEndedCtxHandlesNoExit(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	for i := range 64 {
+		key := fmt.Sprintf("c%d", i)
+		exitCh := make(chan fakeExit, 1)
+		exitCh <- fakeExit{code: uint32(i), at: epoch}
+		awaitClosed(t, WatchExit(ctx, h.m, key, exitCh, exitOf(key)), "watcher "+key)
+	}
+	h.settled(t)
+	assert.Zero(t, r.callCount())
+	assert.Zero(t, h.m.Stats().Received)
+}
+
 func TestWatchExitQueuesBehindABusyKey(t *testing.T) {
 	r := newRecorder()
 	h := newHarness(t, r, WithWorkers(2))

@@ -15,8 +15,8 @@ type Handler interface {
 	// the event's key. At the deadline ctx.Err() is DeadlineExceeded; a
 	// context derived from ctx ends then too, its Err Canceled (the standard
 	// library copies it from the cancel context within) and its
-	// context.Cause DeadlineExceeded. An error or panic sends the event to
-	// its key's backoff.
+	// context.Cause DeadlineExceeded. An error, a panic or runtime.Goexit
+	// sends the event to its key's backoff.
 	HandleEvent(ctx context.Context, event any) error
 }
 

@@ -128,6 +128,17 @@ func (r *recorder) handledList() []any {
 	return append([]any(nil), r.handled...)
 }
 
+// handledOf is what was handled of key, in order.
+func (r *recorder) handledOf(key string) []any {
+	var of []any
+	for _, e := range r.handledList() {
+		if keyOf(e) == key {
+			of = append(of, e)
+		}
+	}
+	return of
+}
+
 func (r *recorder) callCount() int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -329,4 +340,14 @@ func (h *blockHook) Fire(e *logrus.Entry) error {
 		<-h.release
 	}
 	return nil
+}
+
+// awaitClosed waits for ch to close, failing the test if it takes 10 s.
+func awaitClosed(t *testing.T, ch <-chan struct{}, what string) {
+	t.Helper()
+	select {
+	case <-ch:
+	case <-time.After(10 * time.Second):
+		t.Fatalf("%s never closed", what)
+	}
 }

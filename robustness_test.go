@@ -172,6 +172,10 @@ func TestProgrammingErrorsPanicAtOnce(t *testing.T) {
 	h := newHarness(t, newRecorder())
 	exitCh := make(chan fakeExit)
 	build := exitOf("c1")
+	assert.PanicsWithValue(t, "eventmonitor: WatchExit with a nil ctx", func() {
+		var nilCtx context.Context
+		WatchExit(nilCtx, h.m, "c1", exitCh, build)
+	})
 	assert.PanicsWithValue(t, "eventmonitor: WatchExit with a nil Monitor", func() {
 		WatchExit(context.Background(), nil, "c1", exitCh, build)
 	})

@@ -45,6 +45,27 @@ func TestShutdownDrainsQueuesAndReplaysBackoffAtOnce(t *testing.T) {
 	assert.Equal(t, h.clock.Now(), epoch, "the replay ran at once, not when due")
 }
 
+// Shutdown ends WithDeferredStart's hold: it handles what the held monitor
+// queued (a Submit, an exit), in order per key, and replays a backoff not
+// yet due at once.
+func TestShutdownDrainsAHeldMonitor(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithDeferredStart())
+	h.submit(t, ev{"a", 1})
+	exitCh := make(chan fakeExit, 1)
+	exitCh <- fakeExit{code: 3, at: epoch}
+	awaitClosed(t, WatchExit(context.Background(), h.m, "a", exitCh, exitOf("a")), "the watcher")
+	h.m.Backoff("b", ev{"b", 1})
+	h.settled(t)
+	require.Zero(t, r.callCount(), "a held monitor handles nothing")
+
+	require.NoError(t, h.m.Shutdown(context.Background()))
+	assert.Equal(t, []any{ev{"a", 1}, exitEvent{"a", 3, epoch}}, r.handledOf("a"), "in the order accepted")
+	assert.Equal(t, []any{ev{"b", 1}}, r.handledOf("b"))
+	assert.Empty(t, h.drops.all())
+	assertBalanced(t, h.m.Stats())
+}
+
 func TestShutdownDeadlineDropsTheRest(t *testing.T) {
 	r := newRecorder()
 	h := newHarness(t, r, WithHandleTimeout(time.Minute))
