@@ -27,10 +27,10 @@ const (
 
 // A call's progress: how far its goroutine got, moved without mu by
 // compare-and-swap. The goroutine moves it to invoked just before the
-// handler and to returned just after; Stop moves a call not yet invoked to
-// withdrawn, so that it is never made once its event was dropped, and
-// abandons only a call not yet returned (a returned one settles as soon as
-// its goroutine has mu).
+// handler and to returned just after; Stop, abandoning a call not yet
+// invoked, moves it to withdrawn, so that it is never made once its event
+// was dropped, and abandons only a call not yet returned (a returned one
+// settles as soon as its goroutine has mu).
 const (
 	notBegun  int32 = iota
 	invoked         // the handler was called

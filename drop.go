@@ -9,8 +9,10 @@ import (
 // Drop is an event, or an envelope that never became one, that the monitor
 // gave up on.
 type Drop struct {
-	Key    string
-	Events []any // nil when the envelope could not be decoded
+	Key string
+	// Events is nil when no event was made: an envelope not decoded, a nil
+	// event given to Backoff, an exit whose builder panicked.
+	Events []any
 	Reason error // wraps ErrDecode, ErrInvalidEvent, ErrMaxAttempts, ErrQueueFull or ErrStopped
 	// Topic and Namespace are the envelope's; "" for events from Submit,
 	// Backoff and WatchExit.
@@ -19,7 +21,7 @@ type Drop struct {
 
 // String says what was dropped, from where and why, as an actionable log line.
 func (d Drop) String() string {
-	s := "dropped an envelope that did not become an event"
+	s := "dropped an input that did not become an event"
 	if n := len(d.Events); n == 1 {
 		s = "dropped 1 event"
 	} else if n > 1 {

@@ -5,6 +5,19 @@ import (
 	"fmt"
 )
 
+// User code runs under a guard, so that it cannot take a worker, a watcher
+// or the stream reader down:
+//   - the handler: invoke, where a panic or runtime.Goexit fails the call;
+//   - the converter, resync hook, exit status and exit builder: catch,
+//     which makes a panic their error;
+//   - the drop handler, Metrics and an ignored payload's GetTypeUrl:
+//     protect, which logs a panic;
+//   - what they return: checked, for an error whose Error panics, and
+//     panicked, for a panic's value whose Error panics.
+//
+// A Subscriber runs on the caller's goroutine (Subscribe, Run), so its
+// panic is the caller's.
+
 // checked is err, from user code (a handler, converter, subscriber, hook
 // or exit status), or if its Error panics (a typed nil pointer returned as
 // an error) an error saying so: the logger calls Error where no recover

@@ -18,15 +18,17 @@ import (
 // than kept in memory.
 const MaxKeyLength = 4096
 
-// lifecycle is the monitor's one state; its transitions are in New,
-// releaseHold and stop.go.
+// lifecycle is the monitor's state; its transitions are in New,
+// releaseHold and stop.go. Intake ends a step before it changes, as
+// Shutdown or Stop is called (intakeEnded): Shutdown, still running, then
+// waits for the stream reader to see that.
 type lifecycle uint8
 
 const (
 	held     lifecycle = iota // WithDeferredStart: accepts, handles nothing, replays nothing
 	running                   // accepts and handles
 	draining                  // Shutdown: accepts nothing, handles what it holds
-	stopped                   // Stop began: accepts and starts nothing
+	stopped                   // Stop began: accepts nothing, takes no key (a call taken before still runs, cancelled)
 )
 
 // accepts reports whether new events are taken in.
@@ -35,26 +37,31 @@ func (s lifecycle) accepts() bool { return s == held || s == running }
 // handles reports whether calls start.
 func (s lifecycle) handles() bool { return s == running || s == draining }
 
+// intakeEnded reports whether Shutdown or Stop was called: only envelopes
+// the stream reader already took are still accepted. mu need not be held.
+func (m *Monitor) intakeEnded() bool { return m.intake.Err() != nil }
+
 // Monitor handles typed events in order per key, with parallelism across
 // keys and per-key exponential backoff. Create it with New; release it with
 // Stop or Shutdown.
 //
-// mu guards the fields from cond to abandonedDrops; every change under it
-// ends in changed, which also wakes all who wait on cond.
+// mu guards the fields from cond to abandonedDrops; every change that can
+// start work or unblock a waiter ends in changed, which also wakes all who
+// wait on cond.
 type Monitor struct {
 	cfg     config
 	handler Handler
 	base    context.Context // parent of every handler context: carries the logger
 
-	mu        sync.Mutex
-	cond      sync.Cond
-	state     lifecycle
-	stopStart stopStart // what was left as the stop began, for Shutdown
-	keys      *keyq.Set[item]
-	calls     []*call // in progress or being settled, in start order
-	stats     Stats   // counters; the gauges are derived in Stats
-	sched     schedulerState
-	stream    streamState
+	mu     sync.Mutex
+	cond   sync.Cond
+	state  lifecycle
+	atStop atStop // what was left as the stop began, for Shutdown
+	keys   *keyq.Set[item]
+	calls  []*call // in progress or being settled, in start order
+	stats  Stats   // counters; the gauges are derived in Stats
+	sched  schedulerState
+	stream streamState
 	// accepting: envelopes and exits received, not yet queued or dropped.
 	accepting int
 	// abandonedDrops: events of calls Stop gave up on, for it to hand over.
@@ -178,9 +185,10 @@ func (m *Monitor) replays(k *keyq.Key[item]) bool {
 }
 
 // Submit hands the monitor an event that did not come from its stream (a
-// relist, an exit). Once accepted (nil error) it is handled, in Pending, or
-// dropped; refused, the caller keeps it: ErrStopped once Shutdown or Stop
-// began, ErrQueueFull, ErrInvalidEvent.
+// relist, an exit). Once accepted (nil error) it is handled, ignored,
+// forgotten or dropped, and in Stats' gauges until then; refused, the
+// caller keeps it: ErrStopped once Shutdown or Stop began, ErrQueueFull,
+// ErrInvalidEvent.
 func (m *Monitor) Submit(key string, event any) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -220,7 +228,7 @@ const (
 // only until the drain begins. mu is held.
 func (m *Monitor) accept(key string, it item, from source) (*keyq.Key[item], error) {
 	switch {
-	case !m.state.accepts(), from != streamed && m.intake.Err() != nil:
+	case !m.state.accepts(), from != streamed && m.intakeEnded():
 		return nil, ErrStopped
 	case key == "":
 		return nil, fmt.Errorf("%w: empty key", ErrInvalidEvent)

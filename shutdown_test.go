@@ -745,19 +745,19 @@ func TestShutdownResultFollowsWhatItsDrainLost(t *testing.T) {
 		ctx  context.Context
 		want error // nil, context.Canceled or ErrStopped
 	}{
-		{"drained", drainOutcome{drainer: true}, live, nil},
-		{"drained; or a Stop found it done; ctx ended after (review 22)", drainOutcome{drainer: true}, ended, nil},
-		{"drained but for a call being reported as ctx ended (review 23)", drainOutcome{drainer: true, ended: true}, ended, nil},
-		{"calls abandoned as ctx ended", drainOutcome{drainer: true, ended: true, byCtx: 1, gaveUp: 1}, ended, context.Canceled},
-		{"events left as ctx ended", drainOutcome{stopStart: stopStart{left: 2}, drainer: true, ended: true}, ended, context.Canceled},
-		{"reader still reading as ctx ended", drainOutcome{stopStart: stopStart{reading: true}, drainer: true, ended: true}, ended, context.Canceled},
-		{"cut by a Stop", drainOutcome{stopStart: stopStart{cut: true, left: 1}, drainer: true}, live, ErrStopped},
-		{"cut by a Stop with only a call being reported left", drainOutcome{stopStart: stopStart{cut: true, calls: []*call{{}}}, drainer: true}, live, nil},
-		{"cut by a Stop with a handler running", drainOutcome{stopStart: stopStart{cut: true, calls: []*call{{}}, running: 1}, drainer: true}, live, ErrStopped},
-		{"handlers running as ctx ended", drainOutcome{stopStart: stopStart{calls: []*call{{}}, running: 1}, drainer: true, ended: true}, ended, context.Canceled},
-		{"stuck calls abandoned and their key's events dropped", drainOutcome{stopStart: stopStart{left: 1}, drainer: true, gaveUp: 1}, live, ErrStopped},
-		{"stuck call abandoned, ctx ended after the drain (review 23)", drainOutcome{drainer: true, gaveUp: 1}, ended, ErrStopped},
-		{"a Stop had begun before", drainOutcome{stopStart: stopStart{left: 3}, gaveUp: 1}, live, nil},
+		{"drained", drainOutcome{beforeStop: true}, live, nil},
+		{"drained; or a Stop found it done; ctx ended after (review 22)", drainOutcome{beforeStop: true}, ended, nil},
+		{"drained but for a call being reported as ctx ended (review 23)", drainOutcome{beforeStop: true, ended: true}, ended, nil},
+		{"calls abandoned as ctx ended", drainOutcome{beforeStop: true, ended: true, byCtx: 1, gaveUp: 1}, ended, context.Canceled},
+		{"events left as ctx ended", drainOutcome{atStop: atStop{left: 2}, beforeStop: true, ended: true}, ended, context.Canceled},
+		{"reader still reading as ctx ended", drainOutcome{atStop: atStop{reading: true}, beforeStop: true, ended: true}, ended, context.Canceled},
+		{"cut by a Stop", drainOutcome{atStop: atStop{cut: true, left: 1}, beforeStop: true}, live, ErrStopped},
+		{"cut by a Stop with only a call being reported left", drainOutcome{atStop: atStop{cut: true, calls: []*call{{}}}, beforeStop: true}, live, nil},
+		{"cut by a Stop with a handler running", drainOutcome{atStop: atStop{cut: true, calls: []*call{{}}, running: 1}, beforeStop: true}, live, ErrStopped},
+		{"handlers running as ctx ended", drainOutcome{atStop: atStop{calls: []*call{{}}, running: 1}, beforeStop: true, ended: true}, ended, context.Canceled},
+		{"stuck calls abandoned and their key's events dropped", drainOutcome{atStop: atStop{left: 1}, beforeStop: true, gaveUp: 1}, live, ErrStopped},
+		{"stuck call abandoned, ctx ended after the drain (review 23)", drainOutcome{beforeStop: true, gaveUp: 1}, ended, ErrStopped},
+		{"a Stop had begun before", drainOutcome{atStop: atStop{left: 3}, gaveUp: 1}, live, nil},
 		{"a Stop had begun before and had ended, ctx ended", drainOutcome{}, ended, nil},
 		{"a Stop had begun before, calls abandoned as ctx ended", drainOutcome{byCtx: 1, gaveUp: 1}, ended, context.Canceled},
 	} {
@@ -768,7 +768,7 @@ func TestShutdownResultFollowsWhatItsDrainLost(t *testing.T) {
 			assert.ErrorIs(t, err, tc.want, tc.name)
 		}
 	}
-	err := drainOutcome{stopStart: stopStart{left: 1}, drainer: true, gaveUp: 1}.err(live)
+	err := drainOutcome{atStop: atStop{left: 1}, beforeStop: true, gaveUp: 1}.err(live)
 	assert.ErrorContains(t, err, "abandoned 1 handler calls")
 	assert.ErrorContains(t, err, "dropped 1 events that stuck calls held back")
 }

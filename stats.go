@@ -41,6 +41,8 @@ func (m *Monitor) Stats() Stats {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	s := m.stats
+	// By stage, not runningIn: a call whose handler just returned holds its
+	// event until it settles.
 	for _, c := range m.calls {
 		switch c.stage {
 		case overran:

@@ -32,7 +32,7 @@ func (m *Monitor) Stop() { m.stop(context.Background()) }
 // waitingOn, ends; it returns how many calls it abandoned for that.
 func (m *Monitor) stop(ctx context.Context) (byCtx int) {
 	m.mu.Lock()
-	m.beginStop(true)
+	m.beginStop(true) // a Stop cuts short any drain under way
 	for len(m.calls) > 0 {
 		m.abandon("overran its deadline", overran)
 		if ctx.Err() != nil {
@@ -48,22 +48,22 @@ func (m *Monitor) stop(ctx context.Context) (byCtx int) {
 }
 
 // beginStop ends intake, notes what the stop begins with, for every
-// Shutdown's result, and cancels every call. cuts: the stop ends a drain
-// before it is done (Stop, or a Shutdown whose ctx ended), if Shutdown was
-// called. mu is held.
-func (m *Monitor) beginStop(cuts bool) {
-	shutdownCalled := m.intake.Err() != nil
+// Shutdown's result, and cancels every call. cutsDrain: the stop ends a
+// drain before it is done (Stop, or a Shutdown whose ctx ended), if
+// Shutdown was called. mu is held.
+func (m *Monitor) beginStop(cutsDrain bool) {
+	shutdownCalled := m.intakeEnded()
 	m.endIntake()
 	if m.state == stopped {
 		return
 	}
-	m.stopStart = stopStart{cut: cuts && shutdownCalled, reading: m.stream.reader == consuming,
+	m.atStop = atStop{cut: cutsDrain && shutdownCalled, reading: m.stream.reader == consuming,
 		left: m.keys.Events(), calls: slices.Clone(m.calls)}
 	m.state = stopped
 	close(m.stopping)
 	for _, c := range m.calls {
 		if c.progress.Load() != returned {
-			m.stopStart.running++
+			m.atStop.running++
 		}
 		c.cancel(context.Canceled)
 	}
@@ -128,21 +128,26 @@ func (m *Monitor) finishStop() {
 // Stop waits for (a returned call's report, a converter, an exit being
 // read or built) it still waits for.
 //
-// It returns nil if it lost nothing: its drain was done, or a Stop had
-// begun before it was called (what that Stop loses is its own). It
-// returns ctx's error if ctx ended before the drain was done (handlers
-// still running, events left, or the stream reader not yet done: it may
-// take an envelope, which the stop drops), or its stop abandoned a call as
-// ctx ended. Otherwise it returns an error wrapping ErrStopped that says
-// what its drain lost: calls abandoned as they overran, events that stuck
-// calls held back, or a stop (Stop, or another Shutdown as its ctx ended)
-// that cut the drain short. An event that fails during the drain goes to
-// the drop handler; it is not in the error.
+// Its result, the first of these that applies:
+//   - ctx's error, if ctx ended before the drain was done (handlers still
+//     running, events left, or the stream reader not yet done: it may take
+//     an envelope, which the stop drops), or its stop abandoned a call as
+//     ctx ended;
+//   - nil, if a Stop had begun before it was called: what that Stop loses
+//     is its own;
+//   - an error wrapping ErrStopped that says what its drain lost: calls
+//     abandoned as they overran, events that stuck calls held back, or a
+//     stop (Stop, or another Shutdown as its ctx ended) that cut the drain
+//     short;
+//   - nil: the drain was done.
+//
+// An event that fails during the drain goes to the drop handler; it is not
+// in the error.
 func (m *Monitor) Shutdown(ctx context.Context) error {
 	ctx, done := m.waitingOn(ctx)
 	defer done()
 	m.mu.Lock()
-	drainer := m.state != stopped // else a Stop left it nothing to drain
+	beforeStop := m.state != stopped // else a Stop left it nothing to drain
 	m.endIntake()
 	for m.stream.reader == consuming && m.state != stopped && ctx.Err() == nil {
 		m.cond.Wait() // what the reader takes until it sees intake end is queued, then drained
@@ -158,7 +163,7 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	// the stop begins under the same lock, so no call starts in between.
 	ended := ctx.Err() != nil && m.state != stopped
 	m.beginStop(ended)
-	o := drainOutcome{stopStart: m.stopStart, drainer: drainer, ended: ended}
+	o := drainOutcome{atStop: m.atStop, beforeStop: beforeStop, ended: ended}
 	m.mu.Unlock()
 	o.byCtx = m.stop(ctx) // a Stop already waiting does not hold it past ctx
 	m.mu.Lock()
@@ -171,8 +176,8 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	return o.err(ctx)
 }
 
-// stopStart is what was left as the stop began.
-type stopStart struct {
+// atStop is what was left as the stop began.
+type atStop struct {
 	cut     bool    // a Stop, or a Shutdown whose ctx ended, began it while a Shutdown drained
 	reading bool    // the stream reader was consuming
 	left    int     // events queued, which the stop drops
@@ -183,22 +188,22 @@ type stopStart struct {
 // drainOutcome is what a Shutdown's drain left as the stop began, and what
 // the stop then abandoned, from which Shutdown's result follows.
 type drainOutcome struct {
-	stopStart
-	drainer bool // no Stop had begun when Shutdown was called
-	ended   bool // ctx had ended when the drain did (so it was a drainer)
-	byCtx   int  // calls its stop abandoned as ctx ended, not overrunning
-	gaveUp  int  // of the calls, those abandoned
+	atStop
+	beforeStop bool // no Stop had begun when Shutdown was called
+	ended      bool // ctx had ended when the drain did (so no Stop had)
+	byCtx      int  // calls its stop abandoned as ctx ended, not overrunning
+	gaveUp     int  // of the calls, those abandoned
 }
 
 // unfinished reports whether the stop began with work left to drain.
-func (s stopStart) unfinished() bool { return s.left > 0 || s.reading || s.running > 0 }
+func (s atStop) unfinished() bool { return s.left > 0 || s.reading || s.running > 0 }
 
-// err is Shutdown's result, as its doc says.
+// err is Shutdown's result, its doc's cases in order.
 func (o drainOutcome) err(ctx context.Context) error {
 	switch {
 	case o.byCtx > 0 || o.ended && o.unfinished():
 		return fmt.Errorf("eventmonitor: shutdown: %w", ctx.Err())
-	case !o.drainer:
+	case !o.beforeStop:
 		return nil // what a Stop begun before lost is not this Shutdown's to report
 	}
 	var lost []string

@@ -63,7 +63,7 @@ func (m *Monitor) Subscribe(s Subscriber, filters ...string) {
 func (m *Monitor) Start() <-chan error {
 	m.mu.Lock()
 	sub := m.stream.subscribed
-	if sub == nil && m.intake.Err() == nil { // else refused: Shutdown or Stop was called
+	if sub == nil && !m.intakeEnded() { // else refused: Shutdown or Stop was called
 		defer m.mu.Unlock()
 		m.releaseHold()
 		return m.lifetime
@@ -86,7 +86,7 @@ func (m *Monitor) Start() <-chan error {
 		_, err := m.consume(m.intake, sub, nil)
 		sub.cancel()
 		m.setReader(noReader) // before reporting: whoever reads errCh may Run or Start at once
-		if err != nil && m.intake.Err() == nil {
+		if err != nil && !m.intakeEnded() {
 			m.cfg.logger.WithError(err).Error("event stream failed")
 			errCh <- err
 		}
@@ -98,7 +98,7 @@ func (m *Monitor) Start() <-chan error {
 // mu is held.
 func (m *Monitor) beginReading() error {
 	switch {
-	case m.intake.Err() != nil: // Shutdown or Stop was called
+	case m.intakeEnded(): // Shutdown or Stop was called
 		return ErrStopped
 	case m.cfg.converter == nil:
 		return ErrNoConverter
@@ -143,7 +143,7 @@ func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) erro
 	defer cancel()
 	defer context.AfterFunc(m.intake, cancel)()
 
-	ended := func() bool { return runCtx.Err() != nil || m.intake.Err() != nil } // runCtx ends an instant after intake
+	ended := func() bool { return runCtx.Err() != nil || m.intakeEnded() } // runCtx ends an instant after intake
 	delay := m.cfg.resubInitial
 	for outage := false; ; outage = true {
 		delivered, err := m.runOnce(runCtx, s, filters, outage)
@@ -229,7 +229,7 @@ func (m *Monitor) resync(ctx context.Context, hook func(context.Context) error) 
 // for it to end only if it began.
 func (m *Monitor) consume(ctx context.Context, sub *subscription, first chan struct{}) (delivered bool, err error) {
 	m.mu.Lock()
-	open := m.intake.Err() == nil
+	open := !m.intakeEnded()
 	if open {
 		m.stream.reader = consuming
 	}

@@ -103,7 +103,7 @@ func TestStreamIntakeFiltersConvertsAndDrops(t *testing.T) {
 		assert.Equal(t, want[i].Namespace, d.Namespace, "drop %d: where it came from", i)
 		assert.Equal(t, len(want[i].Events), len(d.Events), "drop %d", i)
 	}
-	assert.Equal(t, `dropped an envelope that did not become an event (topic "/json", namespace "k8s.io"): `+
+	assert.Equal(t, `dropped an input that did not become an event (topic "/json", namespace "k8s.io"): `+
 		`eventmonitor: cannot decode event: type "eventmonitor.test/jsonEvent": unexpected end of JSON input`, drops[0].String())
 
 	s := h.m.Stats()
