@@ -165,7 +165,6 @@ func (m *Monitor) invoke(c *call) (ignored bool, err error) {
 		} else {
 			what, err = "called runtime.Goexit", fmt.Errorf("%w: it called runtime.Goexit, as t.FailNow does", ErrHandlerPanic)
 		}
-		ignored = false
 		m.cfg.logger.WithFields(log.Fields{"key": c.key.Name(), "stack": string(debug.Stack())}).
 			WithError(err).Error("event handler " + what)
 		if r == nil { // the goroutine ends once this returns
