@@ -34,7 +34,7 @@ const (
 const (
 	notBegun  int32 = iota
 	invoked         // the handler was called
-	returned        // the handler, and its error's methods, returned
+	returned        // no more of the handler runs: it returned (its error's methods too), panicked or exited
 	withdrawn       // abandoned before its handler began
 )
 
@@ -143,44 +143,41 @@ func (m *Monitor) handle(c *call) (next *call) {
 	if !c.progress.CompareAndSwap(notBegun, invoked) {
 		return nil // Stop withdrew it before it began, and accounted for it
 	}
-	ignored, err := m.invoke(c)
+	var ignored bool
+	var err error
+	m.onGoexit(func() { ignored, err = m.invoke(c) }, func() *call { return m.finish(c, false, errHandlerExited) })
 	return m.finish(c, ignored, err)
 }
 
+// errHandlerExited is the error of a handler that panicked with nil (under
+// GODEBUG=panicnil=1, where recover returns nil) or ended its goroutine.
+var errHandlerExited = fmt.Errorf("%w: it panicked with nil or called runtime.Goexit (as t.FailNow does)", ErrHandlerPanic)
+
 // invoke calls the handler (ignored: its error is ErrUnsupportedEvent),
-// turning a panic into ErrHandlerPanic, one in errors.Is too. A handler
-// that ends its goroutine with runtime.Goexit (t.FailNow in a test's
-// handler) fails the same way; the goroutine finishes the call as it
-// unwinds, and a new one takes on its slot's next call.
+// turning a panic into ErrHandlerPanic, one in errors.Is too.
 func (m *Monitor) invoke(c *call) (ignored bool, err error) {
-	returned := false
+	normal := false
 	defer func() {
-		r := recover()
-		if returned && r == nil {
-			return
-		}
-		what := "panicked"
-		if r != nil {
-			err = fmt.Errorf("%w: %s", ErrHandlerPanic, panicked(r))
-		} else {
-			what, err = "called runtime.Goexit", fmt.Errorf("%w: it called runtime.Goexit, as t.FailNow does", ErrHandlerPanic)
-		}
-		m.cfg.logger.WithFields(log.Fields{"key": c.key.Name(), "stack": string(debug.Stack())}).
-			WithError(err).Error("event handler " + what)
-		if r == nil { // the goroutine ends once this returns
-			if next := m.finish(c, false, err); next != nil {
-				go m.work(next)
+		// r is nil after a panic(nil) under panicnil, and in runtime.Goexit,
+		// which goes on past here (see handle).
+		if r := recover(); r != nil || !normal {
+			err = errHandlerExited
+			if r != nil {
+				err = fmt.Errorf("%w: %s", ErrHandlerPanic, panicked(r))
 			}
+			m.cfg.logger.WithFields(log.Fields{"key": c.key.Name(), "stack": string(debug.Stack())}).
+				WithError(err).Error("event handler panicked")
 		}
 	}()
 	err = checked(m.handler.HandleEvent(c, c.it.event))
 	ignored = errors.Is(err, ErrUnsupportedEvent)
-	returned = true
+	normal = true
 	return ignored, err
 }
 
-// finish settles returned call c and reports its outcome, and returns the
-// next call its slot (if it holds one) takes on, under the same lock.
+// finish settles call c, whose handler is done, and reports its outcome,
+// and returns the next call its slot (if it holds one) takes on, under the
+// same lock.
 func (m *Monitor) finish(c *call, ignored bool, err error) (next *call) {
 	c.progress.Store(returned) // no user code is left: Stop waits, not abandons
 	c.cancel(context.Canceled) // what the handler started with ctx stops
@@ -199,18 +196,30 @@ func (m *Monitor) finish(c *call, ignored bool, err error) (next *call) {
 		c.stage = settling // WaitIdle and Stop wait for the report
 		m.changed()
 		m.mu.Unlock() // the report runs user code: logger, Metrics, drop handler
-		m.report(c, err, end, out, overran)
+		m.onGoexit(func() { m.report(c, err, end, out, overran) }, func() *call {
+			m.mu.Lock()
+			defer m.mu.Unlock()
+			return m.release(c, out.drops != nil)
+		})
 		m.mu.Lock()
-		if out.drops != nil {
-			m.keys.Done(c.key) // the key's next event starts after its drop is reported
-		}
+	}
+	next = m.release(c, out.drops != nil)
+	m.mu.Unlock()
+	return next
+}
+
+// release ends settled call c: the key of a dropped event, held until the
+// drop was reported, goes on, and c's slot, if it holds one, takes on the
+// next call, which it returns. mu is held.
+func (m *Monitor) release(c *call, keyHeld bool) (next *call) {
+	if keyHeld {
+		m.keys.Done(c.key)
 	}
 	if c.seat == ownSlot {
 		next = m.takeReady() // before c leaves: its slot passes on, not back
 	}
 	m.calls = slices.DeleteFunc(m.calls, func(x *call) bool { return x == c })
 	m.changed()
-	m.mu.Unlock()
 	return next
 }
 

@@ -7,13 +7,16 @@ import (
 
 // User code runs under a guard, so that it cannot take a worker, a watcher
 // or the stream reader down:
-//   - the handler: invoke, where a panic or runtime.Goexit fails the call;
+//   - the handler: invoke, where a panic fails the call;
 //   - the converter, resync hook, exit status and exit builder: catch,
 //     which makes a panic their error;
 //   - the drop handler, Metrics and an ignored payload's GetTypeUrl:
 //     protect, which logs a panic;
 //   - what they return: checked, for an error whose Error panics, and
-//     panicked, for a panic's value whose Error panics.
+//     panicked, for a panic's value whose Error panics;
+//   - runtime.Goexit (t.FailNow in a test's callback), which no recover
+//     stops: onGoexit around a worker's handler call and report, so that
+//     the call still settles; deferred counts around an exit's reading.
 //
 // A Subscriber runs on the caller's goroutine (Subscribe, Run), so its
 // panic is the caller's.
@@ -45,6 +48,22 @@ func panicked(r any) (s string) {
 		}
 	}()
 	return fmt.Sprint(r)
+}
+
+// onGoexit runs fn, user code whose panics fn recovers. If fn does not
+// return, it ended the goroutine (runtime.Goexit): rest runs as it
+// unwinds, and the call rest returns goes to a new worker.
+func (m *Monitor) onGoexit(fn func(), rest func() *call) {
+	returned := false
+	defer func() {
+		if !returned {
+			if next := rest(); next != nil {
+				go m.work(next)
+			}
+		}
+	}()
+	fn()
+	returned = true
 }
 
 // catch, deferred, turns a panic in user code into *err: wrap, then the

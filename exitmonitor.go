@@ -28,15 +28,15 @@ const UnknownExitCode = 255
 // backs it off like any event.
 //
 // The returned channel is closed once the exit was handled or queued, ctx
-// ended (an exit taken as or after it ended is not handled) or Stop began
-// while it waited; an exit handled in the watcher's goroutine closes it
-// when its handler returns, even one Stop abandoned (so does containerd's
-// stopCh). An exit not yet queued when Shutdown is called (arriving later,
-// or still being read or built) is dropped with ErrStopped, as is one a
-// watcher reads once Stop began; a watcher that saw Stop begin reads no
-// more, so an exit sent then may stay in exitCh (a WatchExit after Stop
-// returns a closed channel). A nil ctx, m, exitCh or event panics at once,
-// not in the goroutine.
+// ended (no exit is taken once it has; one arriving as it ends may be) or
+// Stop began while it waited; an exit handled in the watcher's goroutine
+// closes it when its handler returns, even one Stop abandoned (so does
+// containerd's stopCh). An exit not yet queued when Shutdown is called
+// (arriving later, or still being read or built) is dropped with
+// ErrStopped, as is one a watcher reads once Stop began; a watcher that
+// saw Stop begin reads no more, so an exit sent then may stay in exitCh (a
+// WatchExit after Stop returns a closed channel). A nil ctx, m, exitCh or
+// event panics at once, not in the goroutine.
 func WatchExit[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh <-chan S,
 	event func(code uint32, exitedAt time.Time) any) <-chan struct{} {
 	mustWatch("WatchExit", ctx, m, exitCh == nil, event == nil)
@@ -64,18 +64,20 @@ func WatchExitResult[S ExitStatus](ctx context.Context, m *Monitor, key string, 
 		defer close(done)
 		var s S
 		arrived, received := false, false // an exit, or exitCh's close, was taken
-		select {
-		case <-ctx.Done():
-		case s, received = <-exitCh:
-			arrived = true
-		case <-m.stopping:
-			select { // an exit already there is accounted for: dropped, not lost
+		if ctx.Err() == nil {             // else the select might take an exit waiting beside it
+			select {
+			case <-ctx.Done():
 			case s, received = <-exitCh:
 				arrived = true
-			default:
+			case <-m.stopping:
+				select { // an exit already there is accounted for: dropped, not lost
+				case s, received = <-exitCh:
+					arrived = true
+				default:
+				}
 			}
 		}
-		if !arrived || ctx.Err() != nil { // an ended ctx wins over an exit taken beside it
+		if !arrived {
 			m.watchers.Done()
 			return
 		}

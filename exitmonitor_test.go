@@ -102,6 +102,27 @@ func TestWatchExitWithAnEndedCtxHandlesNoExit(t *testing.T) {
 	assert.Zero(t, h.m.Stats().Received)
 }
 
+// An exit the watcher takes is handled, even when ctx ends as it is
+// taken: an exit is either left in exitCh or handled, never taken and
+// thrown away.
+func TestWatchExitNeverDiscardsAnExitItTook(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r)
+	for i := range 64 {
+		key := fmt.Sprintf("c%d", i)
+		ctx, cancel := context.WithCancel(context.Background())
+		exitCh := make(chan fakeExit, 1)
+		exitCh <- fakeExit{code: uint32(i), at: epoch}
+		done := WatchExit(ctx, h.m, key, exitCh, exitOf(key))
+		cancel()
+		awaitClosed(t, done, "watcher "+key)
+		h.settled(t)
+		taken, handled := len(exitCh) == 0, len(r.handledOf(key))
+		assert.Equal(t, taken, handled == 1, "exit %d: taken %v, handled %d times", i, taken, handled)
+	}
+	assertBalanced(t, h.m.Stats())
+}
+
 func TestWatchExitQueuesBehindABusyKey(t *testing.T) {
 	r := newRecorder()
 	h := newHarness(t, r, WithWorkers(2))

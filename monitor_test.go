@@ -266,30 +266,6 @@ func TestPanicIsAFailure(t *testing.T) {
 	assert.Equal(t, uint64(1), h.m.Stats().Handled, "the retry succeeds")
 }
 
-// A handler that ends its goroutine (runtime.Goexit: t.FailNow or
-// require in a test's handler) fails as a panic does, and its worker's
-// slot goes on to the next key.
-func TestHandlerGoexitIsAFailure(t *testing.T) {
-	calls := 0
-	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
-		calls++
-		if calls == 1 {
-			runtime.Goexit()
-		}
-		return nil
-	}))
-	h.submit(t, ev{"a", 1}, ev{"b", 1})
-	h.settled(t) // the call ends: nothing is left running
-	s := h.m.Stats()
-	assert.Equal(t, uint64(1), s.Failed)
-	assert.Equal(t, uint64(1), s.Handled, "b/1 is handled: the slot went on")
-	assert.True(t, h.m.InBackoff("a"), "the event backs off")
-	assert.True(t, h.logged("event handler called runtime.Goexit", "a"))
-	h.step(t, time.Second)
-	assert.Equal(t, uint64(2), h.m.Stats().Handled, "the retry succeeds")
-	assertBalanced(t, h.m.Stats())
-}
-
 func TestMaxAttemptsGivesUpAndGoesOn(t *testing.T) {
 	r := newRecorder()
 	h := newHarness(t, r, WithMaxAttempts(2))

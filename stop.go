@@ -98,6 +98,7 @@ func (m *Monitor) abandon(why string, stages ...stage) (gaveUp int) {
 // finishStop, once no call is left, waits for envelopes being taken, drops
 // every event left and waits for the scheduler and watchers to leave.
 func (m *Monitor) finishStop() {
+	defer close(m.lifetime) // deferred: the drop handler may end the goroutine
 	m.mu.Lock()
 	for m.accepting > 0 {
 		m.cond.Wait()
@@ -115,7 +116,6 @@ func (m *Monitor) finishStop() {
 	m.mu.Unlock()
 	m.watchers.Wait()
 	m.emit(drops...)
-	close(m.lifetime)
 }
 
 // Shutdown stops intake (Submit, Backoff and exits are refused with

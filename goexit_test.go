@@ -1,0 +1,446 @@
+package eventmonitor
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// runtime.Goexit (what t.FailNow and require do in a test's callback) in
+// user code: no recover stops it, yet every call settles once, no slot is
+// lost or doubled, and WaitIdle and Stop return.
+
+// A handler that ends its goroutine (runtime.Goexit: t.FailNow or
+// require in a test's handler) fails as a panic does, and its worker's
+// slot goes on to the next key.
+func TestHandlerGoexitIsAFailure(t *testing.T) {
+	calls := 0
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		calls++
+		if calls == 1 {
+			runtime.Goexit()
+		}
+		return nil
+	}))
+	h.submit(t, ev{"a", 1}, ev{"b", 1})
+	h.settled(t) // the call ends: nothing is left running
+	s := h.m.Stats()
+	assert.Equal(t, uint64(1), s.Failed)
+	assert.Equal(t, uint64(1), s.Handled, "b/1 is handled: the slot went on")
+	assert.True(t, h.m.InBackoff("a"), "the event backs off")
+	assert.True(t, h.logged("event handler panicked", "a"))
+	h.step(t, time.Second)
+	assert.Equal(t, uint64(2), h.m.Stats().Handled, "the retry succeeds")
+	assertBalanced(t, h.m.Stats())
+}
+
+// idleWithin is WaitIdle bounded by d.
+func idleWithin(m *Monitor, d time.Duration) error {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	defer cancel()
+	return m.WaitIdle(ctx)
+}
+
+// slotCheck notes, under mu, whether the calls ever held more slots than
+// WithWorkers allows, or two calls ran for one key.
+func slotCheck(m *Monitor) (bad func() string) {
+	var mu sync.Mutex
+	var seen string
+	check := func() {
+		m.mu.Lock()
+		held, keys := m.slotsHeld(), map[string]int{}
+		for _, c := range m.calls {
+			keys[c.key.Name()]++
+		}
+		m.mu.Unlock()
+		mu.Lock()
+		defer mu.Unlock()
+		if held > m.cfg.workers && seen == "" {
+			seen = fmt.Sprintf("slotsHeld %d > workers %d", held, m.cfg.workers)
+		}
+		for k, n := range keys {
+			if n > 1 && seen == "" {
+				seen = fmt.Sprintf("%d calls for key %q", n, k)
+			}
+		}
+	}
+	return func() string {
+		check()
+		mu.Lock()
+		defer mu.Unlock()
+		return seen
+	}
+}
+
+// A handler that calls runtime.Goexit while one of its own deferred
+// functions panics: a recover does not stop a pending Goexit, so invoke
+// never returns, and handle's guard, not invoke's, settles the call.
+func TestGoexitWithAPanickingDeferIsSettled(t *testing.T) {
+	calls := atomic.Int32{}
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		if calls.Add(1) == 1 {
+			defer func() { panic("a deferred cleanup panics as the test's handler fails") }()
+			runtime.Goexit() // require.NoError(t, err) in a test's handler
+		}
+		return nil
+	}), WithLogger(quietLogger()))
+	t.Cleanup(func() { h.clock.Step(time.Minute) }) // rescue: Stop abandons the call left running
+	h.submit(t, ev{"a", 1})
+	waitFor(t, func() bool { return calls.Load() == 1 }, "the handler was never called")
+	err := idleWithin(h.m, 2*time.Second)
+	require.NoError(t, err, "the call never settled: %+v", h.m.Stats())
+	s := h.m.Stats()
+	assert.Equal(t, uint64(1), s.Failed)
+	assert.Zero(t, s.InFlight)
+	assertBalanced(t, s)
+}
+
+// With GODEBUG=panicnil=1 (the default for a main module whose go line is
+// before 1.21) panic(nil) is recovered as nil, like a Goexit, but invoke
+// returns: the call settles once, as a failure, and its slot takes on one
+// next call.
+func TestPanicNilIsSettledOnce(t *testing.T) {
+	t.Setenv("GODEBUG", "panicnil=1")
+	var x exclusive
+	conc, maxConc := atomic.Int32{}, atomic.Int32{}
+	first := atomic.Bool{}
+	var mon atomic.Pointer[Monitor]
+	maxHeld := atomic.Int32{}
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		defer x.enter(keyOf(e))()
+		n := conc.Add(1)
+		defer conc.Add(-1)
+		for {
+			m := maxConc.Load()
+			if n <= m || maxConc.CompareAndSwap(m, n) {
+				break
+			}
+		}
+		if m := mon.Load(); m != nil {
+			m.mu.Lock()
+			if held := m.slotsHeld(); held > int(maxHeld.Load()) {
+				maxHeld.Store(int32(held))
+			}
+			m.mu.Unlock()
+		}
+		if e == (ev{"a", 1}) && first.CompareAndSwap(false, true) {
+			panic(nil)
+		}
+		runtime.Gosched()
+		return nil
+	}), WithLogger(quietLogger()), WithWorkers(1))
+	mon.Store(h.m)
+	bad := slotCheck(h.m)
+	h.submit(t, ev{"a", 1})
+	for i := range 20 {
+		h.submit(t, ev{fmt.Sprintf("k%d", i), 1})
+	}
+	h.settled(t)
+	s := h.m.Stats()
+	assert.Equal(t, uint64(1), s.Failed, "one call failed once")
+	assert.Equal(t, 1, s.EventsInBackoff, "a/1 is in backoff once")
+	assertBalanced(t, s)
+	assert.Empty(t, bad())
+	assert.LessOrEqual(t, maxConc.Load(), int32(1), "WithWorkers(1): one call at a time")
+	assert.LessOrEqual(t, maxHeld.Load(), int32(1), "slotsHeld never above WithWorkers(1)")
+	assert.False(t, x.twice.Load())
+}
+
+// A drop handler that ends its goroutine ends the worker while the call is
+// reported: the call is still released, its slot goes on, and WaitIdle and
+// Stop return.
+func TestGoexitInTheDropHandlerDoesNotHangStop(t *testing.T) {
+	r := newRecorder()
+	r.fail(ev{"a", 1}, 1)
+	h := newHarness(t, r, WithLogger(quietLogger()), WithMaxAttempts(1),
+		WithDropHandler(func(Drop) { runtime.Goexit() }))
+	h.submit(t, ev{"a", 1}, ev{"b", 1})
+	assert.NoError(t, idleWithin(h.m, 2*time.Second), "WaitIdle: %+v", h.m.Stats())
+	stopped := make(chan struct{})
+	go func() { h.m.Stop(); close(stopped) }()
+	waitFor(t, h.stopping, "Stop never began")
+	h.clock.Step(time.Minute) // past any handle timeout and grace: no help
+	select {
+	case <-stopped:
+	case <-time.After(3 * time.Second):
+		t.Fatalf("Stop hung past the handle timeout: %+v", h.m.Stats())
+	}
+}
+
+// a Goexit in the exit watcher's inline call fails
+// the exit (backoff), closes the watcher's channel, and leaves no call;
+// its retry is handled by a worker.
+func TestGoexitInTheWatchersInlineCall(t *testing.T) {
+	calls := atomic.Int32{}
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		if calls.Add(1) == 1 {
+			runtime.Goexit()
+		}
+		return nil
+	}), WithLogger(quietLogger()))
+	exitCh := make(chan fakeExit, 1)
+	exitCh <- fakeExit{code: 1, at: epoch}
+	awaitClosed(t, WatchExit(context.Background(), h.m, "c1", exitCh, exitOf("c1")), "the watcher")
+	h.settled(t)
+	s := h.m.Stats()
+	assert.Equal(t, uint64(1), s.Failed)
+	assert.True(t, h.m.InBackoff("c1"))
+	assertBalanced(t, s)
+	h.step(t, time.Second)
+	assert.Equal(t, uint64(1), h.m.Stats().Handled)
+	assertBalanced(t, h.m.Stats())
+}
+
+// Goexit in the exit status's Result, the exit
+// builder, and the drop handler of a refused exit ends the watcher without
+// holding up WaitIdle or Stop.
+func TestGoexitInTheWatchersUserCode(t *testing.T) {
+	for _, where := range []string{"Result", "builder", "drop handler"} {
+		t.Run(where, func(t *testing.T) {
+			r := newRecorder()
+			h := newHarness(t, r, WithLogger(quietLogger()),
+				WithDropHandler(func(Drop) {
+					if where == "drop handler" {
+						runtime.Goexit()
+					}
+				}))
+			exitCh := make(chan ExitStatus, 1)
+			build := func(code uint32, at time.Time) any {
+				if where == "builder" {
+					runtime.Goexit()
+				}
+				if where == "drop handler" {
+					return nil // refused: ErrInvalidEvent, to the drop handler
+				}
+				return exitEvent{"c1", code, at}
+			}
+			if where == "Result" {
+				exitCh <- goexitStatus{}
+			} else {
+				exitCh <- fakeExit{code: 1, at: epoch}
+			}
+			awaitClosed(t, WatchExit(context.Background(), h.m, "c1", exitCh, build), "the watcher")
+			require.NoError(t, idleWithin(h.m, 5*time.Second))
+			stopped := make(chan struct{})
+			go func() { h.m.Stop(); close(stopped) }()
+			awaitClosed(t, stopped, "Stop")
+			assertBalanced(t, h.m.Stats())
+		})
+	}
+}
+
+type goexitStatus struct{}
+
+func (goexitStatus) Result() (uint32, time.Time, error) { runtime.Goexit(); return 0, time.Time{}, nil }
+
+// a Goexit in a replay's first call (logged as a
+// retry, before the CAS), with WithHandleTimeout(0), settles once and the
+// replay backs off again; no slot is lost.
+func TestGoexitInAReplaysFirstCallWithoutTimeout(t *testing.T) {
+	calls := atomic.Int32{}
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		if e == (ev{"a", 1}) && calls.Add(1) <= 2 {
+			runtime.Goexit()
+		}
+		return nil
+	}), WithLogger(quietLogger()), WithHandleTimeout(0), WithWorkers(1))
+	bad := slotCheck(h.m)
+	h.submit(t, ev{"a", 1}, ev{"a", 2})
+	h.settled(t)
+	assert.Equal(t, uint64(1), h.m.Stats().Failed)
+	h.step(t, time.Second) // the replay's first call Goexits too
+	s := h.m.Stats()
+	assert.Equal(t, uint64(2), s.Failed)
+	assert.Equal(t, 2, s.EventsInBackoff, "the replay backed off again, both events")
+	assertBalanced(t, s)
+	h.step(t, 2*time.Second)
+	s = h.m.Stats()
+	assert.Equal(t, uint64(2), s.Handled)
+	assert.Zero(t, s.EventsInBackoff+s.InFlight+s.Queued)
+	h.m.mu.Lock()
+	assert.Zero(t, h.m.slotsHeld())
+	h.m.mu.Unlock()
+	assert.Empty(t, bad())
+	assertBalanced(t, s)
+}
+
+// a handler that Goexits past its deadline (late),
+// and one past the grace (overran, its slot given to a new worker),
+// settles once; the overran one's slot is not taken twice.
+func TestGoexitAfterTheDeadline(t *testing.T) {
+	for _, overran := range []bool{false, true} {
+		t.Run(fmt.Sprintf("overran=%v", overran), func(t *testing.T) {
+			release := make(chan struct{})
+			started := make(chan struct{}, 4)
+			h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+				if e == (ev{"a", 1}) {
+					started <- struct{}{}
+					<-ctx.Done()
+					<-release
+					runtime.Goexit()
+				}
+				return nil
+			}), WithLogger(quietLogger()), WithWorkers(1), WithHandleTimeout(10*time.Second))
+			bad := slotCheck(h.m)
+			h.submit(t, ev{"a", 1}, ev{"b", 1}, ev{"c", 1})
+			<-started
+			if overran {
+				h.clock.Step(11 * time.Second)
+				waitFor(t, func() bool { return h.m.Stats().Handled == 2 }, "b and c never got the slot")
+			} else {
+				h.clock.Step(10 * time.Second)
+				waitFor(t, func() bool {
+					h.m.mu.Lock()
+					defer h.m.mu.Unlock()
+					return len(h.m.calls) == 1 && h.m.calls[0].stage == late
+				}, "the call never went late")
+			}
+			assert.Empty(t, bad())
+			close(release)
+			h.settled(t)
+			s := h.m.Stats()
+			assert.Equal(t, uint64(1), s.Failed)
+			assert.Equal(t, uint64(2), s.Handled)
+			assert.Equal(t, 1, s.EventsInBackoff)
+			h.m.mu.Lock()
+			assert.Zero(t, h.m.slotsHeld())
+			assert.Empty(t, h.m.calls)
+			h.m.mu.Unlock()
+			assert.Empty(t, bad())
+			assertBalanced(t, s)
+		})
+	}
+}
+
+// a call that Stop abandoned (overran) and whose
+// handler then Goexits is not settled again: its event is dropped once,
+// nothing counts as Failed, and Stop returns.
+func TestGoexitAfterStopAbandonedTheCall(t *testing.T) {
+	release := make(chan struct{})
+	started := make(chan struct{}, 1)
+	gone := make(chan struct{})
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		defer close(gone)
+		started <- struct{}{}
+		<-release
+		runtime.Goexit()
+		return nil
+	}), WithLogger(quietLogger()), WithWorkers(1))
+	h.submit(t, ev{"a", 1}, ev{"a", 2})
+	<-started
+	h.clock.Step(DefaultHandleTimeout + time.Second)
+	waitFor(t, func() bool { return h.m.Stats().Overrunning == 1 }, "the call never overran")
+	h.m.Stop()
+	close(release)
+	<-gone
+	waitFor(t, func() bool { return goroutinesIn("eventmonitor.(*Monitor).invoke") == 0 }, "the handler's goroutine never left")
+	s := h.m.Stats()
+	assert.Zero(t, s.Failed)
+	assert.Equal(t, uint64(2), s.Dropped)
+	assert.Len(t, h.drops.all(), 2, "the abandoned call's drop and a/2's")
+	assertBalanced(t, s)
+}
+
+// many keys on two slots, handlers that Goexit at
+// random, Submits and Stats snapshots concurrent: no slot is lost or
+// doubled, a key never runs twice at once, the identity holds in every
+// snapshot, and every event is eventually handled.
+func TestGoexitStormKeepsSlotsAndIdentity(t *testing.T) {
+	var x exclusive
+	var tries sync.Map
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		defer x.enter(keyOf(e))()
+		n, _ := tries.LoadOrStore(e, new(atomic.Int32))
+		switch n.(*atomic.Int32).Add(1) {
+		case 1:
+			runtime.Goexit()
+		case 2:
+			return errors.New("fails once more")
+		}
+		return nil
+	}), WithLogger(quietLogger()), WithWorkers(2))
+	bad := slotCheck(h.m)
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			s := h.m.Stats()
+			sum := s.Filtered + s.Ignored + s.Handled + s.Dropped + s.Forgotten + uint64(s.Queued+s.EventsInBackoff+s.InFlight)
+			if s.Received != sum {
+				t.Errorf("identity broken: %+v", s)
+				return
+			}
+			if b := bad(); b != "" {
+				t.Errorf("%s", b)
+				return
+			}
+			runtime.Gosched()
+		}
+	}()
+	const keys, per = 8, 5
+	for i := range per {
+		for k := range keys {
+			h.submit(t, ev{fmt.Sprintf("k%d", k), i})
+		}
+	}
+	for range 100 {
+		if h.m.Stats().Handled == keys*per {
+			break
+		}
+		h.step(t, DefaultMaxBackoff)
+	}
+	close(stop)
+	wg.Wait()
+	s := h.m.Stats()
+	assert.Equal(t, uint64(keys*per), s.Handled, "%+v", s)
+	assert.False(t, x.twice.Load(), "a key ran on two goroutines")
+	assert.Empty(t, bad())
+	assertBalanced(t, s)
+}
+
+// a handler that Goexits while Shutdown drains fails
+// its event, which goes to the drop handler with ErrStopped (not in
+// Shutdown's error); the slot goes on to the queued key; Shutdown returns
+// nil and the identity holds.
+func TestGoexitDuringShutdownsDrain(t *testing.T) {
+	release := make(chan struct{})
+	started := make(chan struct{}, 1)
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		if e == (ev{"a", 1}) {
+			started <- struct{}{}
+			<-release
+			runtime.Goexit()
+		}
+		return nil
+	}), WithLogger(quietLogger()), WithWorkers(1))
+	h.submit(t, ev{"a", 1}, ev{"b", 1})
+	<-started
+	shut := make(chan error, 1)
+	go func() { shut <- h.m.Shutdown(context.Background()) }()
+	waitFor(t, h.stopping, "Shutdown never began")
+	close(release)
+	require.NoError(t, awaitErr(t, shut))
+	s := h.m.Stats()
+	assert.Equal(t, uint64(1), s.Failed)
+	assert.Equal(t, uint64(1), s.Handled, "b/1 got the slot")
+	reason, ok := dropReason(h, ev{"a", 1})
+	require.True(t, ok, "a/1 was not dropped")
+	assert.ErrorIs(t, reason, ErrStopped)
+	assert.ErrorIs(t, reason, ErrHandlerPanic)
+	assertBalanced(t, s)
+}
