@@ -138,7 +138,7 @@ func (m *Monitor) handle(c *call) (next *call) {
 	if c.replayStart {
 		// Before the CAS: a call held up in a log hook has invoked no
 		// handler yet, so Stop may still withdraw it.
-		m.logRetry(c)
+		m.onGoexit(func() { m.logRetry(c) }, func() *call { c.replayStart = false; return c })
 	}
 	if !c.progress.CompareAndSwap(notBegun, invoked) {
 		return nil // Stop withdrew it before it began, and accounted for it

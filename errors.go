@@ -15,8 +15,10 @@ import (
 //   - what they return: checked, for an error whose Error panics, and
 //     panicked, for a panic's value whose Error panics;
 //   - runtime.Goexit (t.FailNow in a test's callback), which no recover
-//     stops: onGoexit around a worker's handler call and report, so that
-//     the call still settles; deferred counts around an exit's reading.
+//     stops: onGoexit around a worker's retry line, handler call and
+//     report, so that the call still settles and its slot goes on;
+//     deferred counts around an exit's reading. Nothing hangs, but what
+//     the ended goroutine had left to report (a drop, a log line) is lost.
 //
 // A Subscriber runs on the caller's goroutine (Subscribe, Run), so its
 // panic is the caller's.
@@ -50,12 +52,15 @@ func panicked(r any) (s string) {
 	return fmt.Sprint(r)
 }
 
-// onGoexit runs fn, user code whose panics fn recovers. If fn does not
-// return, it ended the goroutine (runtime.Goexit): rest runs as it
-// unwinds, and the call rest returns goes to a new worker.
+// onGoexit runs fn, which calls user code. If fn ends the goroutine
+// (runtime.Goexit), rest runs as it unwinds, and the call rest returns
+// goes to a new worker. A panic goes on as it was.
 func (m *Monitor) onGoexit(fn func(), rest func() *call) {
 	returned := false
 	defer func() {
+		if r := recover(); r != nil {
+			panic(r)
+		}
 		if !returned {
 			if next := rest(); next != nil {
 				go m.work(next)

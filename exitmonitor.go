@@ -28,7 +28,7 @@ const UnknownExitCode = 255
 // backs it off like any event.
 //
 // The returned channel is closed once the exit was handled or queued, ctx
-// ended (no exit is taken once it has; one arriving as it ends may be) or
+// ended (an exit waiting as it ends may still be taken, and handled) or
 // Stop began while it waited; an exit handled in the watcher's goroutine
 // closes it when its handler returns, even one Stop abandoned (so does
 // containerd's stopCh). An exit not yet queued when Shutdown is called

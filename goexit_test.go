@@ -4,12 +4,18 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"os"
+	"os/exec"
 	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/containerd/log"
+	"github.com/sirupsen/logrus"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -444,3 +450,280 @@ func TestGoexitDuringShutdownsDrain(t *testing.T) {
 	assert.ErrorIs(t, reason, ErrHandlerPanic)
 	assertBalanced(t, s)
 }
+
+// endHook ends the goroutine (runtime.Goexit, as t.FailNow in a test's log
+// hook does), or panics, on the first log line whose message contains match.
+type endHook struct {
+	match string
+	panic bool
+	once  sync.Once
+	fired atomic.Bool
+}
+
+func (h *endHook) Levels() []logrus.Level { return logrus.AllLevels }
+
+func (h *endHook) Fire(e *logrus.Entry) error {
+	if !strings.Contains(e.Message, h.match) {
+		return nil
+	}
+	first := false
+	h.once.Do(func() { first = true })
+	if first {
+		h.fired.Store(true)
+		if h.panic {
+			panic("log hook panics")
+		}
+		runtime.Goexit()
+	}
+	return nil
+}
+
+func endingLogger(match string, panics bool) (*log.Entry, *endHook) {
+	logger := logrus.New()
+	logger.Out = io.Discard
+	logger.SetLevel(logrus.DebugLevel)
+	hook := &endHook{match: match, panic: panics}
+	logger.AddHook(hook)
+	return logrus.NewEntry(logger), hook
+}
+
+// A log hook that ends the worker's goroutine on a replay's retry line,
+// before the call begins: a new worker makes the call, and the slot goes
+// on.
+func TestGoexitInTheRetryLineStillMakesTheCall(t *testing.T) {
+	r := newRecorder()
+	r.fail(ev{"a", 1}, 1)
+	lg, hook := endingLogger("retrying backed-off events", false)
+	h := newHarness(t, r, WithLogger(lg), WithWorkers(1))
+	h.submit(t, ev{"a", 1})
+	h.settled(t)
+	require.True(t, h.m.InBackoff("a"))
+	h.clock.Step(DefaultInitialBackoff)
+	waitFor(t, hook.fired.Load, "the retry line was never logged")
+	h.submit(t, ev{"b", 1})
+	err := idleWithin(h.m, 3*time.Second)
+	s := h.m.Stats()
+	assert.NoError(t, err, "WaitIdle: %+v", s)
+	assert.Equal(t, []any{ev{"a", 1}}, r.handledOf("a"), "the retry is made")
+	assert.Len(t, r.handledOf("b"), 1, "b/1 gets the only worker slot")
+	assertBalanced(t, s)
+}
+
+// Nested exits: the handler Goexits, and during handle's rest (finish's
+// report) the drop handler Goexits too. The call settles once, is released
+// once, its slot goes on, and WaitIdle and Stop return.
+func TestNestedGoexitHandlerThenItsReport(t *testing.T) {
+	for _, where := range []string{"drop handler", "Metrics", "log line"} {
+		t.Run(where, func(t *testing.T) {
+			var x exclusive
+			handler := HandlerFunc(func(ctx context.Context, e any) error {
+				defer x.enter(keyOf(e))()
+				if e == (ev{"a", 1}) {
+					runtime.Goexit()
+				}
+				return nil
+			})
+			lg := quietLogger()
+			var hook *endHook
+			opts := []Option{WithWorkers(1), WithMaxAttempts(1)}
+			switch where {
+			case "drop handler":
+				opts = append(opts, WithDropHandler(func(d Drop) {
+					if d.Key == "a" {
+						runtime.Goexit()
+					}
+				}))
+			case "Metrics":
+				opts = append(opts, WithMetrics(goexitMetrics{}))
+			case "log line":
+				lg, hook = endingLogger("giving up on event", false)
+			}
+			h := newHarness(t, handler, append(opts, WithLogger(lg))...)
+			bad := slotCheck(h.m)
+			h.submit(t, ev{"a", 1}, ev{"b", 1}, ev{"c", 1})
+			require.NoError(t, idleWithin(h.m, 5*time.Second), "WaitIdle: %+v", h.m.Stats())
+			if hook != nil {
+				assert.True(t, hook.fired.Load())
+			}
+			s := h.m.Stats()
+			assert.Equal(t, uint64(1), s.Failed)
+			assert.Equal(t, uint64(1), s.Dropped)
+			assert.Equal(t, uint64(2), s.Handled, "b and c got the slot")
+			h.m.mu.Lock()
+			assert.Zero(t, h.m.slotsHeld())
+			assert.Empty(t, h.m.calls)
+			h.m.mu.Unlock()
+			assert.Empty(t, bad())
+			assert.False(t, x.twice.Load())
+			assertBalanced(t, s)
+			require.NoError(t, h.m.Submit("a", ev{"a", 2}), "the key was not released")
+			require.NoError(t, idleWithin(h.m, 5*time.Second))
+			assert.Equal(t, uint64(3), h.m.Stats().Handled)
+			stopped := make(chan struct{})
+			go func() { h.m.Stop(); close(stopped) }()
+			awaitClosed(t, stopped, "Stop")
+		})
+	}
+}
+
+// goexitMetrics ends the goroutine in HandlerDone of a failed call.
+type goexitMetrics struct{}
+
+func (goexitMetrics) Recovered(time.Duration) {}
+func (goexitMetrics) Dropped(error, int)      {}
+
+func (goexitMetrics) HandlerDone(_ time.Duration, err error) {
+	if err != nil {
+		runtime.Goexit()
+	}
+}
+
+// A log hook that Goexits (t.FailNow on an error line) on the handler's
+// panic line, inside invoke's recover: the call settles once.
+func TestGoexitInThePanicLogLine(t *testing.T) {
+	lg, hook := endingLogger("event handler panicked", false)
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		if e == (ev{"a", 1}) {
+			panic("boom")
+		}
+		return nil
+	}), WithLogger(lg), WithWorkers(1))
+	bad := slotCheck(h.m)
+	h.submit(t, ev{"a", 1}, ev{"b", 1})
+	require.NoError(t, idleWithin(h.m, 5*time.Second), "WaitIdle: %+v", h.m.Stats())
+	assert.True(t, hook.fired.Load())
+	s := h.m.Stats()
+	assert.Equal(t, uint64(1), s.Failed)
+	assert.Equal(t, uint64(1), s.Handled)
+	assert.Equal(t, 1, s.EventsInBackoff)
+	assert.Empty(t, bad())
+	assertBalanced(t, s)
+}
+
+// A panic (not a Goexit) that escapes the guard (a log hook panicking on
+// invoke's "event handler panicked" line, inside its recover) crashes the
+// process as it would without the guard: the guard does not take it for a
+// Goexit and run user code on a made-up reason on the way down.
+func TestAPanicThroughTheGoexitGuardIsNotTakenForAGoexit(t *testing.T) {
+	if os.Getenv("EVENTMONITOR_PANIC_THROUGH_GUARD_CHILD") == "1" {
+		lg, _ := endingLogger("event handler panicked", true)
+		m, err := New(HandlerFunc(func(ctx context.Context, e any) error { panic("boom") }),
+			WithLogger(lg), WithMaxAttempts(1),
+			WithDropHandler(func(d Drop) { fmt.Printf("DROP-HANDLER-CALLED: %v\n", d.Reason) }))
+		if err != nil {
+			panic(err)
+		}
+		_ = m.Submit("a", ev{"a", 1})
+		time.Sleep(10 * time.Second) // the child crashes before this ends
+		return
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^TestAPanicThroughTheGoexitGuardIsNotTakenForAGoexit$")
+	cmd.Env = append(os.Environ(), "EVENTMONITOR_PANIC_THROUGH_GUARD_CHILD=1")
+	out, err := cmd.CombinedOutput()
+	var exit *exec.ExitError
+	require.True(t, errors.As(err, &exit), "the child should crash on the hook's panic: %v\n%s", err, out)
+	assert.Contains(t, string(out), "log hook panics")
+	line, _, _ := strings.Cut(string(out), "\n")
+	assert.False(t, strings.HasPrefix(line, "DROP-HANDLER-CALLED"),
+		"user code ran mid-panic, told of a Goexit for a panic: %s", line)
+}
+
+// A drop handler that Goexits on Stop's first drop ends Stop's goroutine
+// in its emit loop: the lifetime channel (a bare Start's) still closes.
+// The drops after it are counted but not handed over (documented).
+func TestGoexitInStopsDropHandlerStillEndsTheLifetime(t *testing.T) {
+	var mu sync.Mutex
+	var seen []string
+	h := newHarness(t, newRecorder(), WithDeferredStart(), WithLogger(quietLogger()),
+		WithDropHandler(func(d Drop) {
+			mu.Lock()
+			seen = append(seen, d.Key)
+			mu.Unlock()
+			runtime.Goexit()
+		}))
+	h.submit(t, ev{"a", 1}, ev{"b", 1}, ev{"c", 1})
+	stopped := make(chan struct{})
+	go func() { defer close(stopped); h.m.Stop() }()
+	awaitClosed(t, stopped, "Stop's goroutine")
+	select {
+	case <-h.m.lifetime:
+	case <-time.After(10 * time.Second):
+		t.Fatal("lifetime never closed")
+	}
+	s := h.m.Stats()
+	assertBalanced(t, s)
+	assert.Equal(t, uint64(3), s.Dropped)
+	mu.Lock()
+	defer mu.Unlock()
+	assert.Equal(t, []string{"a"}, seen)
+}
+
+// Goexit in the report phase of every call (the drop handler of each
+// given-up event) on two slots, with Submits and Stats concurrent: the
+// identity holds in every snapshot, no slot is lost or doubled, and every
+// event settles.
+func TestReportGoexitStormKeepsIdentity(t *testing.T) {
+	var x exclusive
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		defer x.enter(keyOf(e))()
+		if asEv(e).Seq%2 == 0 {
+			return errors.New("fails")
+		}
+		return nil
+	}), WithLogger(quietLogger()), WithWorkers(2), WithMaxAttempts(1), WithMetrics(goexitMetricsOnDrop{}),
+		WithDropHandler(func(Drop) { runtime.Goexit() }))
+	bad := slotCheck(h.m)
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			s := h.m.Stats()
+			sum := s.Filtered + s.Ignored + s.Handled + s.Dropped + s.Forgotten + uint64(s.Queued+s.EventsInBackoff+s.InFlight)
+			if s.Received != sum {
+				t.Errorf("identity broken: %+v", s)
+				return
+			}
+			if b := bad(); b != "" {
+				t.Errorf("%s", b)
+				return
+			}
+			runtime.Gosched()
+		}
+	}()
+	const keys, per = 8, 6
+	for i := range per {
+		for k := range keys {
+			h.submit(t, ev{fmt.Sprintf("k%d", k), i})
+		}
+	}
+	require.NoError(t, idleWithin(h.m, 10*time.Second), "%+v", h.m.Stats())
+	close(stop)
+	wg.Wait()
+	s := h.m.Stats()
+	assert.Equal(t, uint64(keys*per/2), s.Handled)
+	assert.Equal(t, uint64(keys*per/2), s.Dropped)
+	assert.False(t, x.twice.Load())
+	assert.Empty(t, bad())
+	h.m.mu.Lock()
+	assert.Zero(t, h.m.slotsHeld())
+	h.m.mu.Unlock()
+	assertBalanced(t, s)
+}
+
+// goexitMetricsOnDrop Goexits in HandlerDone of every other successful call.
+type goexitMetricsOnDrop struct{}
+
+func (goexitMetricsOnDrop) HandlerDone(_ time.Duration, err error) {
+	if err == nil && time.Now().UnixNano()%2 == 0 {
+		runtime.Goexit()
+	}
+}
+func (goexitMetricsOnDrop) Recovered(time.Duration) {}
+func (goexitMetricsOnDrop) Dropped(error, int)      {}
