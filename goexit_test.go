@@ -86,6 +86,36 @@ func slotCheck(m *Monitor) (bad func() string) {
 	}
 }
 
+// checkWhileRunning checks every Stats snapshot's identity, and bad, until
+// the returned func is called.
+func checkWhileRunning(t *testing.T, m *Monitor, bad func() string) (stop func()) {
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			select {
+			case <-done:
+				return
+			default:
+			}
+			s := m.Stats()
+			sum := s.Filtered + s.Ignored + s.Handled + s.Dropped + s.Forgotten + uint64(s.Queued+s.EventsInBackoff+s.InFlight)
+			if s.Received != sum {
+				t.Errorf("identity broken: %+v", s)
+				return
+			}
+			if b := bad(); b != "" {
+				t.Errorf("%s", b)
+				return
+			}
+			runtime.Gosched()
+		}
+	}()
+	return func() { close(done); wg.Wait() }
+}
+
 // A handler that calls runtime.Goexit while one of its own deferred
 // functions panics: a recover does not stop a pending Goexit, so invoke
 // never returns, and handle's guard, not invoke's, settles the call.
@@ -374,30 +404,7 @@ func TestGoexitStormKeepsSlotsAndIdentity(t *testing.T) {
 		return nil
 	}), WithLogger(quietLogger()), WithWorkers(2))
 	bad := slotCheck(h.m)
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			select {
-			case <-stop:
-				return
-			default:
-			}
-			s := h.m.Stats()
-			sum := s.Filtered + s.Ignored + s.Handled + s.Dropped + s.Forgotten + uint64(s.Queued+s.EventsInBackoff+s.InFlight)
-			if s.Received != sum {
-				t.Errorf("identity broken: %+v", s)
-				return
-			}
-			if b := bad(); b != "" {
-				t.Errorf("%s", b)
-				return
-			}
-			runtime.Gosched()
-		}
-	}()
+	checked := checkWhileRunning(t, h.m, bad)
 	const keys, per = 8, 5
 	for i := range per {
 		for k := range keys {
@@ -410,8 +417,7 @@ func TestGoexitStormKeepsSlotsAndIdentity(t *testing.T) {
 		}
 		h.step(t, DefaultMaxBackoff)
 	}
-	close(stop)
-	wg.Wait()
+	checked()
 	s := h.m.Stats()
 	assert.Equal(t, uint64(keys*per), s.Handled, "%+v", s)
 	assert.False(t, x.twice.Load(), "a key ran on two goroutines")
@@ -673,30 +679,7 @@ func TestReportGoexitStormKeepsIdentity(t *testing.T) {
 	}), WithLogger(quietLogger()), WithWorkers(2), WithMaxAttempts(1), WithMetrics(goexitMetricsOnDrop{}),
 		WithDropHandler(func(Drop) { runtime.Goexit() }))
 	bad := slotCheck(h.m)
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			select {
-			case <-stop:
-				return
-			default:
-			}
-			s := h.m.Stats()
-			sum := s.Filtered + s.Ignored + s.Handled + s.Dropped + s.Forgotten + uint64(s.Queued+s.EventsInBackoff+s.InFlight)
-			if s.Received != sum {
-				t.Errorf("identity broken: %+v", s)
-				return
-			}
-			if b := bad(); b != "" {
-				t.Errorf("%s", b)
-				return
-			}
-			runtime.Gosched()
-		}
-	}()
+	checked := checkWhileRunning(t, h.m, bad)
 	const keys, per = 8, 6
 	for i := range per {
 		for k := range keys {
@@ -704,8 +687,7 @@ func TestReportGoexitStormKeepsIdentity(t *testing.T) {
 		}
 	}
 	require.NoError(t, idleWithin(h.m, 10*time.Second), "%+v", h.m.Stats())
-	close(stop)
-	wg.Wait()
+	checked()
 	s := h.m.Stats()
 	assert.Equal(t, uint64(keys*per/2), s.Handled)
 	assert.Equal(t, uint64(keys*per/2), s.Dropped)
