@@ -54,21 +54,32 @@ func panicked(r any) (s string) {
 
 // onGoexit runs fn, which calls user code. If fn ends the goroutine
 // (runtime.Goexit), rest runs as it unwinds, and the call rest returns
-// goes to a new worker. A panic goes on as it was.
+// goes to a new worker. A panic goes on as it was, and rest does not run.
 func (m *Monitor) onGoexit(fn func(), rest func() *call) {
-	returned := false
+	returned, panicking := false, false
 	defer func() {
-		if r := recover(); r != nil {
-			panic(r)
-		}
-		if !returned {
+		if !returned && !panicking {
 			if next := rest(); next != nil {
 				go m.work(next)
 			}
 		}
 	}()
-	fn()
-	returned = true
+	func() {
+		defer func() {
+			if r := recover(); r != nil {
+				panicking = true
+				panic(r) // its frames are still on the stack
+			}
+		}()
+		fn()
+		returned = true
+	}()
+	// Back here without fn returning: recover, which stops no Goexit,
+	// stopped a panic(nil) it returned as nil (GODEBUG=panicnil=1).
+	if !returned {
+		panicking = true
+		panic(nil)
+	}
 }
 
 // catch, deferred, turns a panic in user code into *err: wrap, then the

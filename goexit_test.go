@@ -457,11 +457,11 @@ func TestGoexitDuringShutdownsDrain(t *testing.T) {
 	assertBalanced(t, s)
 }
 
-// endHook ends the goroutine (runtime.Goexit, as t.FailNow in a test's log
-// hook does), or panics, on the first log line whose message contains match.
+// endHook calls end (runtime.Goexit, as t.FailNow in a test's log hook
+// does, or a panic) on the first log line whose message contains match.
 type endHook struct {
 	match string
-	panic bool
+	end   func()
 	once  sync.Once
 	fired atomic.Bool
 }
@@ -476,19 +476,16 @@ func (h *endHook) Fire(e *logrus.Entry) error {
 	h.once.Do(func() { first = true })
 	if first {
 		h.fired.Store(true)
-		if h.panic {
-			panic("log hook panics")
-		}
-		runtime.Goexit()
+		h.end()
 	}
 	return nil
 }
 
-func endingLogger(match string, panics bool) (*log.Entry, *endHook) {
+func endingLogger(match string, end func()) (*log.Entry, *endHook) {
 	logger := logrus.New()
 	logger.Out = io.Discard
 	logger.SetLevel(logrus.DebugLevel)
-	hook := &endHook{match: match, panic: panics}
+	hook := &endHook{match: match, end: end}
 	logger.AddHook(hook)
 	return logrus.NewEntry(logger), hook
 }
@@ -499,7 +496,7 @@ func endingLogger(match string, panics bool) (*log.Entry, *endHook) {
 func TestGoexitInTheRetryLineStillMakesTheCall(t *testing.T) {
 	r := newRecorder()
 	r.fail(ev{"a", 1}, 1)
-	lg, hook := endingLogger("retrying backed-off events", false)
+	lg, hook := endingLogger("retrying backed-off events", runtime.Goexit)
 	h := newHarness(t, r, WithLogger(lg), WithWorkers(1))
 	h.submit(t, ev{"a", 1})
 	h.settled(t)
@@ -542,7 +539,7 @@ func TestNestedGoexitHandlerThenItsReport(t *testing.T) {
 			case "Metrics":
 				opts = append(opts, WithMetrics(goexitMetrics{}))
 			case "log line":
-				lg, hook = endingLogger("giving up on event", false)
+				lg, hook = endingLogger("giving up on event", runtime.Goexit)
 			}
 			h := newHarness(t, handler, append(opts, WithLogger(lg))...)
 			bad := slotCheck(h.m)
@@ -587,7 +584,7 @@ func (goexitMetrics) HandlerDone(_ time.Duration, err error) {
 // A log hook that Goexits (t.FailNow on an error line) on the handler's
 // panic line, inside invoke's recover: the call settles once.
 func TestGoexitInThePanicLogLine(t *testing.T) {
-	lg, hook := endingLogger("event handler panicked", false)
+	lg, hook := endingLogger("event handler panicked", runtime.Goexit)
 	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
 		if e == (ev{"a", 1}) {
 			panic("boom")
@@ -612,7 +609,7 @@ func TestGoexitInThePanicLogLine(t *testing.T) {
 // Goexit and run user code on a made-up reason on the way down.
 func TestAPanicThroughTheGoexitGuardIsNotTakenForAGoexit(t *testing.T) {
 	if os.Getenv("EVENTMONITOR_PANIC_THROUGH_GUARD_CHILD") == "1" {
-		lg, _ := endingLogger("event handler panicked", true)
+		lg, _ := endingLogger("event handler panicked", func() { panic("log hook panics") })
 		m, err := New(HandlerFunc(func(ctx context.Context, e any) error { panic("boom") }),
 			WithLogger(lg), WithMaxAttempts(1),
 			WithDropHandler(func(d Drop) { fmt.Printf("DROP-HANDLER-CALLED: %v\n", d.Reason) }))
@@ -709,3 +706,84 @@ func (goexitMetricsOnDrop) HandlerDone(_ time.Duration, err error) {
 }
 func (goexitMetricsOnDrop) Recovered(time.Duration) {}
 func (goexitMetricsOnDrop) Dropped(error, int)      {}
+
+// inPanicNilChild runs the test named name in a child process with
+// GODEBUG=panicnil=1, or, in that child, scenario, whose result it prints
+// on a STATE line. A nil panic in the log's user code must go on as any
+// panic through the guard does (TestAPanicThroughTheGoexitGuardIsNotTakenForAGoexit):
+// the child crashes with "panic: nil" before its STATE line, or, if it
+// was settled after all, the STATE line says it was settled once.
+func inPanicNilChild(t *testing.T, name string, scenario func(t *testing.T) (state string, ok bool)) {
+	const env = "EVENTMONITOR_PANIC_NIL_CHILD"
+	if os.Getenv(env) == name {
+		state, ok := scenario(t)
+		fmt.Printf("STATE ok=%v %s\n", ok, state)
+		return
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^"+name+"$", "-test.count=1", "-test.v")
+	cmd.Env = append(os.Environ(), env+"="+name, "GODEBUG=panicnil=1")
+	out, err := cmd.CombinedOutput()
+	if i := strings.Index(string(out), "STATE ok="); i >= 0 {
+		line, _, _ := strings.Cut(string(out[i:]), "\n")
+		assert.True(t, strings.HasPrefix(line, "STATE ok=true"),
+			"the nil panic was taken for a Goexit and swallowed, and the call settled or released twice: %s", line)
+		return
+	}
+	var exit *exec.ExitError
+	require.True(t, errors.As(err, &exit), "%v\n%s", err, out)
+	assert.Contains(t, string(out), "panic: nil", "%s", out)
+}
+
+// A nil panic (GODEBUG=panicnil=1) in the report phase's log line, which
+// recover returns as nil as it does in a Goexit, is not taken for one: the
+// call is not released twice (two slots held with WithWorkers(1)).
+func TestPanicNilInAReportIsNotTakenForAGoexit(t *testing.T) {
+	inPanicNilChild(t, "TestPanicNilInAReportIsNotTakenForAGoexit", func(t *testing.T) (string, bool) {
+		lg, hook := endingLogger("event handling failed; backing off", func() { panic(nil) })
+		block, aGo := make(chan struct{}), make(chan struct{})
+		started := atomic.Int32{}
+		h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+			if e == (ev{"a", 1}) {
+				<-aGo // b/1 and c/1 are queued
+				return errors.New("fails")
+			}
+			started.Add(1)
+			<-block
+			return nil
+		}), WithLogger(lg), WithWorkers(1))
+		t.Cleanup(func() { close(block) })
+		h.submit(t, ev{"a", 1}, ev{"b", 1}, ev{"c", 1})
+		close(aGo)
+		waitFor(t, hook.fired.Load, "the report's log line was never logged")
+		waitFor(t, func() bool { return started.Load() >= 1 }, "no next call started")
+		// a/1's worker is done once nothing runs finish or release.
+		waitFor(t, func() bool {
+			return goroutinesIn("eventmonitor.(*Monitor).finish") == 0 && goroutinesIn("eventmonitor.(*Monitor).release") == 0
+		}, "a/1's worker never left")
+		h.m.mu.Lock()
+		held := h.m.slotsHeld()
+		h.m.mu.Unlock()
+		return fmt.Sprintf("slotsHeld=%d with WithWorkers(1)", held), held <= 1
+	})
+}
+
+// A nil panic (GODEBUG=panicnil=1) in invoke's "event handler panicked"
+// line escapes invoke and is not taken for a Goexit: the call is not
+// settled twice (failed, then handled, the Stats identity broken).
+func TestPanicNilInThePanicLogLineIsNotTakenForAGoexit(t *testing.T) {
+	inPanicNilChild(t, "TestPanicNilInThePanicLogLineIsNotTakenForAGoexit", func(t *testing.T) (string, bool) {
+		lg, hook := endingLogger("event handler panicked", func() { panic(nil) })
+		h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+			if e == (ev{"a", 1}) {
+				panic("boom")
+			}
+			return nil
+		}), WithLogger(lg), WithWorkers(1))
+		h.submit(t, ev{"a", 1})
+		waitFor(t, hook.fired.Load, "the panic line was never logged")
+		require.NoError(t, idleWithin(h.m, 5*time.Second), "WaitIdle: %+v", h.m.Stats())
+		s := h.m.Stats()
+		sum := s.Filtered + s.Ignored + s.Handled + s.Dropped + s.Forgotten + uint64(s.Queued+s.EventsInBackoff+s.InFlight)
+		return fmt.Sprintf("%+v", s), s.Handled == 0 && s.Failed == 1 && sum == s.Received
+	})
+}
