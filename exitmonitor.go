@@ -39,7 +39,7 @@ const UnknownExitCode = 255
 // event panics at once, not in the goroutine.
 func WatchExit[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh <-chan S,
 	event func(code uint32, exitedAt time.Time) any) <-chan struct{} {
-	mustWatch("WatchExit", ctx, m, exitCh == nil, event == nil)
+	mustWatch(ctx, "WatchExit", m, exitCh == nil, event == nil)
 	return WatchExitResult(ctx, m, key, exitCh, func(code uint32, exitedAt time.Time, _ error) any {
 		return event(code, exitedAt)
 	})
@@ -50,7 +50,7 @@ func WatchExit[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh
 // ErrNoExitStatus (with code UnknownExitCode and exitedAt the clock's now).
 func WatchExitResult[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh <-chan S,
 	event func(code uint32, exitedAt time.Time, err error) any) <-chan struct{} {
-	mustWatch("WatchExitResult", ctx, m, exitCh == nil, event == nil)
+	mustWatch(ctx, "WatchExitResult", m, exitCh == nil, event == nil)
 	done := make(chan struct{})
 	m.mu.Lock()
 	if m.state == stopped {
@@ -90,7 +90,7 @@ func WatchExitResult[S ExitStatus](ctx context.Context, m *Monitor, key string, 
 
 // mustWatch panics, naming caller, on a nil ctx, Monitor, exit channel or
 // builder.
-func mustWatch(caller string, ctx context.Context, m *Monitor, noChannel, noBuilder bool) {
+func mustWatch(ctx context.Context, caller string, m *Monitor, noChannel, noBuilder bool) {
 	switch {
 	case ctx == nil:
 		panic("eventmonitor: " + caller + " with a nil ctx")
