@@ -48,13 +48,6 @@ func TestHandlerGoexitIsAFailure(t *testing.T) {
 	assertBalanced(t, h.m.Stats())
 }
 
-// idleWithin is WaitIdle bounded by d.
-func idleWithin(m *Monitor, d time.Duration) error {
-	ctx, cancel := context.WithTimeout(context.Background(), d)
-	defer cancel()
-	return m.WaitIdle(ctx)
-}
-
 // slotCheck notes, under mu, whether the calls ever held more slots than
 // WithWorkers allows, or two calls ran for one key.
 func slotCheck(m *Monitor) (bad func() string) {
@@ -100,9 +93,7 @@ func checkWhileRunning(t *testing.T, m *Monitor, bad func() string) (stop func()
 				return
 			default:
 			}
-			s := m.Stats()
-			sum := s.Filtered + s.Ignored + s.Handled + s.Dropped + s.Forgotten + uint64(s.Queued+s.EventsInBackoff+s.InFlight)
-			if s.Received != sum {
+			if s := m.Stats(); s.Received != accounted(s) {
 				t.Errorf("identity broken: %+v", s)
 				return
 			}
@@ -131,8 +122,7 @@ func TestGoexitWithAPanickingDeferIsSettled(t *testing.T) {
 	t.Cleanup(func() { h.clock.Step(time.Minute) }) // rescue: Stop abandons the call left running
 	h.submit(t, ev{"a", 1})
 	waitFor(t, func() bool { return calls.Load() == 1 }, "the handler was never called")
-	err := idleWithin(h.m, 2*time.Second)
-	require.NoError(t, err, "the call never settled: %+v", h.m.Stats())
+	h.settled(t) // the call settles
 	s := h.m.Stats()
 	assert.Equal(t, uint64(1), s.Failed)
 	assert.Zero(t, s.InFlight)
@@ -199,7 +189,7 @@ func TestGoexitInTheDropHandlerDoesNotHangStop(t *testing.T) {
 	h := newHarness(t, r, WithLogger(quietLogger()), WithMaxAttempts(1),
 		WithDropHandler(func(Drop) { runtime.Goexit() }))
 	h.submit(t, ev{"a", 1}, ev{"b", 1})
-	assert.NoError(t, idleWithin(h.m, 2*time.Second), "WaitIdle: %+v", h.m.Stats())
+	h.settled(t)
 	stopped := make(chan struct{})
 	go func() { h.m.Stop(); close(stopped) }()
 	waitFor(t, h.stopping, "Stop never began")
@@ -264,7 +254,7 @@ func TestGoexitInTheWatchersUserCode(t *testing.T) {
 				exitCh <- fakeExit{code: 1, at: epoch}
 			}
 			awaitClosed(t, WatchExit(context.Background(), h.m, "c1", exitCh, build), "the watcher")
-			require.NoError(t, idleWithin(h.m, 5*time.Second))
+			h.settled(t)
 			stopped := make(chan struct{})
 			go func() { h.m.Stop(); close(stopped) }()
 			awaitClosed(t, stopped, "Stop")
@@ -504,9 +494,8 @@ func TestGoexitInTheRetryLineStillMakesTheCall(t *testing.T) {
 	h.clock.Step(DefaultInitialBackoff)
 	waitFor(t, hook.fired.Load, "the retry line was never logged")
 	h.submit(t, ev{"b", 1})
-	err := idleWithin(h.m, 3*time.Second)
+	h.settled(t)
 	s := h.m.Stats()
-	assert.NoError(t, err, "WaitIdle: %+v", s)
 	assert.Equal(t, []any{ev{"a", 1}}, r.handledOf("a"), "the retry is made")
 	assert.Len(t, r.handledOf("b"), 1, "b/1 gets the only worker slot")
 	assertBalanced(t, s)
@@ -544,7 +533,7 @@ func TestNestedGoexitHandlerThenItsReport(t *testing.T) {
 			h := newHarness(t, handler, append(opts, WithLogger(lg))...)
 			bad := slotCheck(h.m)
 			h.submit(t, ev{"a", 1}, ev{"b", 1}, ev{"c", 1})
-			require.NoError(t, idleWithin(h.m, 5*time.Second), "WaitIdle: %+v", h.m.Stats())
+			h.settled(t)
 			if hook != nil {
 				assert.True(t, hook.fired.Load())
 			}
@@ -560,7 +549,7 @@ func TestNestedGoexitHandlerThenItsReport(t *testing.T) {
 			assert.False(t, x.twice.Load())
 			assertBalanced(t, s)
 			require.NoError(t, h.m.Submit("a", ev{"a", 2}), "the key was not released")
-			require.NoError(t, idleWithin(h.m, 5*time.Second))
+			h.settled(t)
 			assert.Equal(t, uint64(3), h.m.Stats().Handled)
 			stopped := make(chan struct{})
 			go func() { h.m.Stop(); close(stopped) }()
@@ -593,7 +582,7 @@ func TestGoexitInThePanicLogLine(t *testing.T) {
 	}), WithLogger(lg), WithWorkers(1))
 	bad := slotCheck(h.m)
 	h.submit(t, ev{"a", 1}, ev{"b", 1})
-	require.NoError(t, idleWithin(h.m, 5*time.Second), "WaitIdle: %+v", h.m.Stats())
+	h.settled(t)
 	assert.True(t, hook.fired.Load())
 	s := h.m.Stats()
 	assert.Equal(t, uint64(1), s.Failed)
@@ -617,7 +606,9 @@ func TestAPanicThroughTheGoexitGuardIsNotTakenForAGoexit(t *testing.T) {
 			panic(err)
 		}
 		_ = m.Submit("a", ev{"a", 1})
-		time.Sleep(10 * time.Second) // the child crashes before this ends
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_ = m.WaitIdle(ctx) // the child crashes while it waits: the call never settles
 		return
 	}
 	cmd := exec.Command(os.Args[0], "-test.run=^TestAPanicThroughTheGoexitGuardIsNotTakenForAGoexit$")
@@ -673,7 +664,7 @@ func TestReportGoexitStormKeepsIdentity(t *testing.T) {
 			return errors.New("fails")
 		}
 		return nil
-	}), WithLogger(quietLogger()), WithWorkers(2), WithMaxAttempts(1), WithMetrics(goexitMetricsOnDrop{}),
+	}), WithLogger(quietLogger()), WithWorkers(2), WithMaxAttempts(1), WithMetrics(&goexitEveryOtherSuccess{}),
 		WithDropHandler(func(Drop) { runtime.Goexit() }))
 	bad := slotCheck(h.m)
 	checked := checkWhileRunning(t, h.m, bad)
@@ -683,7 +674,7 @@ func TestReportGoexitStormKeepsIdentity(t *testing.T) {
 			h.submit(t, ev{fmt.Sprintf("k%d", k), i})
 		}
 	}
-	require.NoError(t, idleWithin(h.m, 10*time.Second), "%+v", h.m.Stats())
+	h.settled(t)
 	checked()
 	s := h.m.Stats()
 	assert.Equal(t, uint64(keys*per/2), s.Handled)
@@ -696,16 +687,17 @@ func TestReportGoexitStormKeepsIdentity(t *testing.T) {
 	assertBalanced(t, s)
 }
 
-// goexitMetricsOnDrop Goexits in HandlerDone of every other successful call.
-type goexitMetricsOnDrop struct{}
+// goexitEveryOtherSuccess Goexits in HandlerDone of every other successful
+// call.
+type goexitEveryOtherSuccess struct{ successes atomic.Int32 }
 
-func (goexitMetricsOnDrop) HandlerDone(_ time.Duration, err error) {
-	if err == nil && time.Now().UnixNano()%2 == 0 {
+func (g *goexitEveryOtherSuccess) HandlerDone(_ time.Duration, err error) {
+	if err == nil && g.successes.Add(1)%2 == 0 {
 		runtime.Goexit()
 	}
 }
-func (goexitMetricsOnDrop) Recovered(time.Duration) {}
-func (goexitMetricsOnDrop) Dropped(error, int)      {}
+func (*goexitEveryOtherSuccess) Recovered(time.Duration) {}
+func (*goexitEveryOtherSuccess) Dropped(error, int)      {}
 
 // inPanicNilChild runs the test named name in a child process with
 // GODEBUG=panicnil=1, or, in that child, scenario, whose result it prints
@@ -781,9 +773,8 @@ func TestPanicNilInThePanicLogLineIsNotTakenForAGoexit(t *testing.T) {
 		}), WithLogger(lg), WithWorkers(1))
 		h.submit(t, ev{"a", 1})
 		waitFor(t, hook.fired.Load, "the panic line was never logged")
-		require.NoError(t, idleWithin(h.m, 5*time.Second), "WaitIdle: %+v", h.m.Stats())
+		h.settled(t)
 		s := h.m.Stats()
-		sum := s.Filtered + s.Ignored + s.Handled + s.Dropped + s.Forgotten + uint64(s.Queued+s.EventsInBackoff+s.InFlight)
-		return fmt.Sprintf("%+v", s), s.Handled == 0 && s.Failed == 1 && sum == s.Received
+		return fmt.Sprintf("%+v", s), s.Handled == 0 && s.Failed == 1 && accounted(s) == s.Received
 	})
 }

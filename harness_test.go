@@ -280,9 +280,13 @@ func quietLogger() *log.Entry {
 // flight.
 func assertBalanced(t *testing.T, s Stats) {
 	t.Helper()
-	sum := s.Filtered + s.Ignored + s.Handled + s.Dropped + s.Forgotten +
+	assert.Equal(t, s.Received, accounted(s), "Stats identity: %+v", s)
+}
+
+// accounted is the identity's right-hand side: what Received should be.
+func accounted(s Stats) uint64 {
+	return s.Filtered + s.Ignored + s.Handled + s.Dropped + s.Forgotten +
 		uint64(s.Queued+s.EventsInBackoff+s.InFlight)
-	assert.Equal(t, s.Received, sum, "Stats identity: %+v", s)
 }
 
 // exclusive notes whether a key was ever handled on two goroutines at once.
