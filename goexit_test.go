@@ -15,9 +15,11 @@ import (
 	"time"
 
 	"github.com/containerd/log"
+	"github.com/containerd/typeurl/v2"
 	"github.com/sirupsen/logrus"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/types/known/wrapperspb"
 )
 
 // runtime.Goexit (what t.FailNow and require do in a test's callback) in
@@ -777,4 +779,87 @@ func TestPanicNilInThePanicLogLineIsNotTakenForAGoexit(t *testing.T) {
 		s := h.m.Stats()
 		return fmt.Sprintf("%+v", s), s.Handled == 0 && s.Failed == 1 && accounted(s) == s.Received
 	})
+}
+
+// goexitConverter ends its goroutine on the StringValue "exit", and keys
+// the others as testConverter does.
+var goexitConverter = ConverterFunc(func(p typeurl.Any) (string, any, error) {
+	key, event, err := testConverter.Convert(p)
+	if v, ok := event.(*wrapperspb.StringValue); ok && v.GetValue() == "exit" {
+		runtime.Goexit()
+	}
+	return key, event, err
+})
+
+// A converter that ends Start's reader drops its envelope, and the reader
+// leaves cleanly: its subscription ends, its channel says why and closes,
+// and the next Subscribe and Start read again.
+func TestGoexitInTheConverterEndsStartsReaderCleanly(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithConverter(goexitConverter))
+	stream := newFakeStream()
+	h.m.Subscribe(stream)
+	errCh := h.m.Start()
+	sub := <-stream.newSub
+	sub.send(t, envelope(t, "ns", wrapperspb.String("exit")))
+	require.ErrorIs(t, <-errCh, ErrStreamClosed)
+	_, open := <-errCh
+	assert.False(t, open, "the channel closes after its error")
+	<-sub.ctx.Done()
+	drops := h.drops.all()
+	require.Len(t, drops, 1, "the envelope is dropped, not lost")
+	assert.ErrorIs(t, drops[0].Reason, ErrInvalidEvent)
+	assert.Equal(t, "/test", drops[0].Topic)
+
+	h.m.Subscribe(stream)
+	errCh = h.m.Start()
+	(<-stream.newSub).send(t, envelope(t, "ns", wrapperspb.String("c1")))
+	waitFor(t, func() bool { return len(r.handledList()) == 1 }, "the next Start reads")
+	h.m.Stop()
+	_, open = <-errCh
+	assert.False(t, open)
+	assertBalanced(t, h.m.Stats())
+}
+
+// A converter that ends Run's caller drops its envelope, and the next Run
+// reads: the reader's place is free.
+func TestGoexitInTheConverterFreesRunsPlace(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithConverter(goexitConverter))
+	stream := newFakeStream()
+	ended := make(chan struct{})
+	go func() {
+		defer close(ended)
+		_ = h.m.Run(context.Background(), stream)
+	}()
+	(<-stream.newSub).send(t, envelope(t, "ns", wrapperspb.String("exit")))
+	awaitClosed(t, ended, "Run's goroutine")
+	require.Len(t, h.drops.all(), 1, "the envelope is dropped, not lost")
+
+	ctx, cancel := context.WithCancel(context.Background())
+	ran := make(chan error, 1)
+	go func() { ran <- h.m.Run(ctx, stream) }()
+	(<-stream.newSub).send(t, envelope(t, "ns", wrapperspb.String("c1")))
+	waitFor(t, func() bool { return len(r.handledList()) == 1 }, "the next Run reads")
+	cancel()
+	require.NoError(t, <-ran)
+	assertBalanced(t, h.m.Stats())
+}
+
+// A drop handler that ends Start's reader, as it reports a nil envelope,
+// leaves the reader's place free too.
+func TestGoexitInTheDropHandlerEndsStartsReaderCleanly(t *testing.T) {
+	h := newHarness(t, newRecorder(), WithConverter(testConverter), WithDropHandler(func(Drop) { runtime.Goexit() }))
+	stream := newFakeStream()
+	h.m.Subscribe(stream)
+	errCh := h.m.Start()
+	(<-stream.newSub).send(t, nil)
+	require.ErrorIs(t, <-errCh, ErrStreamClosed)
+	assert.Equal(t, uint64(1), h.m.Stats().Dropped)
+	h.m.Subscribe(stream)
+	errCh = h.m.Start()
+	<-stream.newSub
+	h.m.Stop()
+	_, open := <-errCh
+	assert.False(t, open, "the next Start read until Stop")
 }

@@ -41,6 +41,9 @@ var (
 	errFiltered = errors.New("eventmonitor: envelope of another namespace")
 	// errConverterPanic drops an envelope whose conversion panicked.
 	errConverterPanic = fmt.Errorf("%w: converter panicked", ErrInvalidEvent)
+	// errConverterExited drops an envelope whose conversion ended the
+	// goroutine (runtime.Goexit, as t.FailNow does).
+	errConverterExited = fmt.Errorf("%w: converter ended its goroutine (runtime.Goexit)", ErrInvalidEvent)
 )
 
 // take converts env without the lock and accepts it, waiting until ctx ends
@@ -52,15 +55,25 @@ var (
 func (m *Monitor) take(ctx context.Context, env *Envelope) {
 	m.inHand()
 	defer m.outOfHand()
+	var it item
+	if env != nil {
+		it.origin = &origin{env.Topic, env.Namespace}
+	}
+	converted := false
+	defer func() {
+		if !converted { // user code ended the goroutine: the envelope is still accounted for
+			m.mu.Lock()
+			drops := m.refuse("", it, errConverterExited)
+			m.mu.Unlock()
+			m.emit(drops...)
+		}
+	}()
 	key, event, ignored, err := m.convert(env)
 	var url string
 	if ignored { // the payload's code: not under mu, nor unguarded
 		m.protect("the payload's GetTypeUrl", "", func() { url = env.Event.GetTypeUrl() })
 	}
-	it := item{event: event}
-	if env != nil {
-		it.origin = &origin{env.Topic, env.Namespace}
-	}
+	converted, it.event = true, event
 	m.mu.Lock()
 	var drops []Drop
 	firstIgnored := false

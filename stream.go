@@ -50,7 +50,9 @@ func (m *Monitor) Subscribe(s Subscriber, filters ...string) {
 }
 
 // Start reads the stream opened by Subscribe, as containerd's CRI monitor
-// does. The channel delivers the stream's error if it breaks, ErrStopped after
+// does. The channel delivers the stream's error if it breaks (one wrapping
+// ErrStreamClosed if a converter or drop handler ends the reader's
+// goroutine with runtime.Goexit), ErrStopped after
 // Stop or Shutdown began, ErrNoConverter without WithConverter, or
 // ErrAlreadyRunning while a Run or another Start reads a stream; it is closed
 // when reading ends (stream error, Stop or Shutdown). A Start that fails
@@ -81,18 +83,25 @@ func (m *Monitor) Start() <-chan error {
 		return errCh
 	}
 	go func() {
-		defer m.watchers.Done()
-		defer close(errCh)
-		_, err := m.consume(m.intake, sub, nil)
-		sub.cancel()
-		m.setReader(noReader) // before reporting: whoever reads errCh may Run or Start at once
-		if err != nil && !m.intakeEnded() {
-			m.cfg.logger.WithError(err).Error("event stream failed")
-			errCh <- err
-		}
+		err := errReaderExited
+		defer func() { // deferred: a converter or drop handler may end the goroutine
+			sub.cancel()
+			m.setReader(noReader) // before reporting: whoever reads errCh may Run or Start at once
+			if err != nil && !m.intakeEnded() {
+				m.cfg.logger.WithError(err).Error("event stream failed")
+				errCh <- err
+			}
+			close(errCh)
+			m.watchers.Done()
+		}()
+		_, err = m.consume(m.intake, sub, nil)
 	}()
 	return errCh
 }
+
+// errReaderExited is what Start's channel reports if user code on its
+// reader's goroutine ended it (runtime.Goexit, as t.FailNow does).
+var errReaderExited = fmt.Errorf("%w: a converter or drop handler ended the stream reader (runtime.Goexit)", ErrStreamClosed)
 
 // beginReading takes the one stream reader's place, for a Run or Start.
 // mu is held.
