@@ -12,7 +12,9 @@
 //     when a call overruns its timeout; the key stays held until it returns.
 //   - Parallel and fair: with WithWorkers(n), up to n keys are handled at
 //     once, taking turns one event at a time, so a slow or busy key never
-//     holds up another for long, and not at all while a worker is free.
+//     holds up another for long, and not at all while a worker is free
+//     (but stream intake pauses at WithIntakeLimit, which counts a slow
+//     key's queue too; WithMaxQueuedPerKey bounds that queue).
 //   - Exact backoff: a failed event waits in its key's queue; the queue
 //     replays when due, doubling its delay after every replay that fails on
 //     that event, up to a cap, and resetting once the replay gets past it.

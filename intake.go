@@ -48,10 +48,10 @@ var (
 
 // take converts env without the lock and accepts it, waiting until ctx ends
 // while WithIntakeLimit events wait for a worker, so that a flood stays in
-// the runtime rather than in our memory. What cannot be accepted is dropped:
-// once Stop began, with ErrStopped. An envelope of another namespace is
-// counted as filtered; one of a type nobody keys as ignored, its type
-// logged once.
+// the runtime rather than in our memory. What cannot be accepted is dropped
+// (once Stop began, a decoded event with ErrStopped). An envelope of
+// another namespace is counted as filtered; one of a type nobody keys as
+// ignored, its type logged once.
 func (m *Monitor) take(ctx context.Context, env *Envelope) {
 	m.inHand()
 	defer m.outOfHand()

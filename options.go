@@ -55,7 +55,8 @@ const MaxWorkers = 4096
 func WithNamespace(ns string) Option { return func(c *config) { c.namespace = ns } }
 
 // WithConverter sets how envelopes become keyed events, as Subscribe, Start
-// and Run need (Submit does not).
+// and Run need (Submit does not). It runs on the stream reader's goroutine,
+// which Stop, Shutdown and WaitIdle may wait for: it must not call them.
 func WithConverter(conv Converter) Option { return func(c *config) { c.converter = conv } }
 
 // WithClock sets the clock for all delays, deadlines and timestamps.

@@ -133,7 +133,8 @@ func (m *Monitor) setReader(r reader) {
 // calls the WithResync hook to relist what the broken stream missed.
 //
 // Run returns ErrAlreadyRunning at once while a Run or Start is reading a
-// stream, nil when ctx ends, and ErrStopped if the monitor stops first. It
+// stream, ErrNoConverter without WithConverter, nil when ctx ends, and
+// ErrStopped once Shutdown or Stop is called (Shutdown's drain goes on). It
 // may be called again after it returned. Returning does not stop the monitor:
 // Shutdown or Stop does.
 func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) error {
@@ -162,7 +163,7 @@ func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) erro
 		if delivered {
 			delay = m.cfg.resubInitial
 		}
-		m.cfg.logger.WithError(cmp.Or(err, ErrStreamClosed)).WithField("delay", delay).
+		m.cfg.logger.WithError(err).WithField("delay", delay).
 			Warn("event stream broke; re-subscribing")
 		wait := m.cfg.clock.NewTimer(delay) // not After: a fake clock would keep its waiter after ctx ends
 		select {
@@ -232,10 +233,10 @@ func (m *Monitor) resync(ctx context.Context, hook func(context.Context) error) 
 }
 
 // consume reads sub until it breaks or ctx ends, reporting whether any
-// envelope arrived and the stream's error (nil when ctx ended or errs closed
-// without one). A non-nil first is closed at the first envelope. It reads
-// only if intake is open as it begins: Shutdown, which ends intake, waits
-// for it to end only if it began.
+// envelope arrived and the stream's error (ErrStreamClosed if it ended
+// without one; nil when ctx ended). A non-nil first is closed at the first
+// envelope. It reads only if intake is open as it begins: Shutdown, which
+// ends intake, waits for it to end only if it began.
 func (m *Monitor) consume(ctx context.Context, sub *subscription, first chan struct{}) (delivered bool, err error) {
 	m.mu.Lock()
 	open := !m.intakeEnded()
@@ -268,7 +269,7 @@ func (m *Monitor) consume(ctx context.Context, sub *subscription, first chan str
 			m.take(ctx, env)
 		case err, ok := <-sub.errs:
 			if !ok || err != nil {
-				return m.takeBuffered(ctx, sub.ch) || delivered, checked(err)
+				return m.takeBuffered(ctx, sub.ch) || delivered, checked(cmp.Or(err, ErrStreamClosed))
 			}
 		}
 	}

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -599,4 +601,253 @@ func TestBareStartIsRefusedWhileShutdownWaitsForTheReader(t *testing.T) {
 	convert()
 	require.NoError(t, <-shut)
 	require.ErrorIs(t, got, ErrStopped, "a bare Start after Shutdown was called is not refused at once")
+}
+
+// readerIs reports whether m's stream reader is at r.
+func readerIs(m *Monitor, r reader) func() bool {
+	return func() bool {
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		return m.stream.reader == r
+	}
+}
+
+// startResult waits up to 10 s for what errCh delivers: the error, or
+// open false if it closed without one.
+func startResult(t *testing.T, errCh <-chan error) (err error, open bool) {
+	t.Helper()
+	select {
+	case err, open = <-errCh:
+		return err, open
+	case <-time.After(10 * time.Second):
+		t.Fatal("Start's channel neither delivered nor closed")
+		return nil, false
+	}
+}
+
+// A subscription that ends without an error while the monitor runs (errs
+// closes, then the envelope channel: what containerd.FromSubscribe does
+// when its source's errs closes or says nil while ctx lasts) ends Start's
+// reading, and Start says so with ErrStreamClosed: a channel closed with
+// no error is what Stop and Shutdown give. Whichever closed channel the
+// reader's select sees first, the result is the same.
+func TestStartReportsAStreamEndedWithoutAnError(t *testing.T) {
+	const rounds = 20
+	silent := 0
+	for range rounds {
+		h := newHarness(t, newRecorder(), WithConverter(testConverter))
+		ch, errs := make(chan *Envelope), make(chan error, 1)
+		h.m.Subscribe(SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) {
+			return ch, errs
+		}))
+		errCh := h.m.Start()
+		waitFor(t, readerIs(h.m, consuming), "Start's reader reads")
+		close(errs) // FromSubscribe: defer close(ch); defer close(errs)
+		close(ch)
+		err, open := startResult(t, errCh)
+		if !open {
+			silent++
+			continue
+		}
+		require.ErrorIs(t, err, ErrStreamClosed)
+		require.False(t, h.stopping())
+	}
+	require.Zero(t, silent, "%d of %d streams that ended while the monitor ran closed Start's channel "+
+		"with no error, as if the monitor had stopped", silent, rounds)
+}
+
+// The same with errs closed and the envelope channel left open.
+func TestStartReportsErrsClosedWithoutAnError(t *testing.T) {
+	h := newHarness(t, newRecorder(), WithConverter(testConverter))
+	ch, errs := make(chan *Envelope), make(chan error)
+	h.m.Subscribe(SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) {
+		return ch, errs
+	}))
+	errCh := h.m.Start()
+	waitFor(t, readerIs(h.m, consuming), "Start's reader reads")
+	close(errs)
+	err, open := startResult(t, errCh)
+	waitFor(t, readerIs(h.m, noReader), "Start's reader left")
+	require.True(t, open, "reading ended while the monitor runs, and Start's channel closed with no error")
+	require.ErrorIs(t, err, ErrStreamClosed)
+}
+
+// Run treats the same end as a break: it re-subscribes.
+func TestRunResubscribesAfterErrsClosedWithoutAnError(t *testing.T) {
+	clk := newSignallingClock()
+	h := newHarness(t, newRecorder(), WithConverter(testConverter), withSignallingClock(clk))
+	stream := newFakeStream()
+	ctx, cancel := context.WithCancel(context.Background())
+	ran := make(chan error, 1)
+	go func() { ran <- h.m.Run(ctx, stream) }()
+	sub := <-stream.newSub
+	close(sub.errs)
+	clk.waitTimer(t, DefaultResubscribeInitial)
+	h.clock.Step(DefaultResubscribeInitial)
+	select {
+	case <-stream.newSub:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run did not re-subscribe after errs closed")
+	}
+	cancel()
+	require.NoError(t, <-ran)
+	require.True(t, readerIs(h.m, noReader)())
+}
+
+// The reader's slot goes back to noReader however Run and Start end
+// (ctx, stream error, stream closed, a Subscriber that panics on Run's
+// goroutine), so the next Run or Start is never refused with
+// ErrAlreadyRunning once the previous one reported its end.
+func TestReaderPlaceIsFreedHoweverReadingEnds(t *testing.T) {
+	h := newHarness(t, newRecorder(), WithConverter(testConverter))
+	rng := rand.New(rand.NewPCG(1, 2))
+	for i := range 200 {
+		switch rng.IntN(4) {
+		case 0: // Run until ctx ends, maybe while an envelope is in hand
+			stream := newFakeStream()
+			ctx, cancel := context.WithCancel(context.Background())
+			ran := make(chan error, 1)
+			go func() { ran <- h.m.Run(ctx, stream) }()
+			sub := <-stream.newSub
+			if rng.IntN(2) == 0 {
+				sub.send(t, envelope(t, "ns", wrapperspb.String(fmt.Sprintf("k%d", i%5))))
+			}
+			cancel()
+			require.NoError(t, <-ran, "round %d", i)
+		case 1: // Start whose stream breaks
+			stream := newFakeStream()
+			h.m.Subscribe(stream)
+			errCh := h.m.Start()
+			sub := <-stream.newSub
+			sub.errs <- errors.New("broken")
+			err, open := startResult(t, errCh)
+			require.True(t, open, "round %d", i)
+			require.EqualError(t, err, "broken", "round %d", i)
+		case 2: // Start whose envelope channel closes
+			ch := make(chan *Envelope)
+			h.m.Subscribe(SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) {
+				return ch, nil
+			}))
+			errCh := h.m.Start()
+			close(ch)
+			err, open := startResult(t, errCh)
+			require.True(t, open, "round %d", i)
+			require.ErrorIs(t, err, ErrStreamClosed, "round %d", i)
+		case 3: // a Subscriber that panics on Run's goroutine
+			var escaped any
+			func() {
+				defer func() { escaped = recover() }()
+				_ = h.m.Run(context.Background(), SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) {
+					panic("subscriber")
+				}))
+			}()
+			require.Equal(t, "subscriber", escaped, "round %d", i)
+		}
+		require.True(t, readerIs(h.m, noReader)(), "round %d: the slot is not free once reading reported its end", i)
+	}
+	h.settled(t)
+	assertBalanced(t, h.m.Stats())
+	require.False(t, h.clock.HasWaiters(), "an idle monitor holds a timer")
+}
+
+// Every Stats snapshot balances while Start's reader floods a small intake
+// limit, handlers fail into backoff, a goroutine steps the fake clock and
+// another forgets keys, until Shutdown; afterwards every envelope the
+// reader took (an unbuffered channel: a send that returned) is Received,
+// no gauge is left, and the drop handler saw exactly Dropped events.
+func TestStatsBalanceThroughAStartFloodAndShutdown(t *testing.T) {
+	for round := range 5 {
+		startFloodRound(t, round)
+	}
+}
+
+func startFloodRound(t *testing.T, round int) {
+	var calls atomic.Int64
+	var dropped atomic.Int64
+	var x exclusive
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		defer x.enter(keyOf(e))()
+		if calls.Add(1)%5 == 0 {
+			return errors.New("injected")
+		}
+		return nil
+	}), WithConverter(testConverter), WithIntakeLimit(2), WithWorkers(3), WithMaxAttempts(3),
+		WithHandleTimeout(0), // the stepped clock would make quick calls overrun
+		WithLogger(quietLogger()), WithDropHandler(func(d Drop) { dropped.Add(int64(len(d.Events))) }))
+	ch := make(chan *Envelope)
+	h.m.Subscribe(SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) { return ch, nil }))
+	errCh := h.m.Start()
+
+	var sent, forgotten atomic.Int64
+	quit := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(4)
+	go func() { // the runtime
+		defer wg.Done()
+		for j := 0; ; j++ {
+			select {
+			case ch <- envelope(t, "ns", wrapperspb.String(fmt.Sprintf("k%d", j%7))):
+				sent.Add(1)
+			case <-quit:
+				return
+			}
+		}
+	}()
+	go func() { // time
+		defer wg.Done()
+		for {
+			select {
+			case <-quit:
+				return
+			default:
+				h.clock.Step(200 * time.Millisecond)
+				runtime.Gosched()
+			}
+		}
+	}()
+	go func() { // a relister forgetting deleted containers
+		defer wg.Done()
+		for j := 0; ; j++ {
+			select {
+			case <-quit:
+				return
+			default:
+				forgotten.Add(int64(len(h.m.Forget(fmt.Sprintf("k%d", j%7)))))
+				runtime.Gosched()
+			}
+		}
+	}()
+	var bad atomic.Value
+	go func() { // every snapshot balances
+		defer wg.Done()
+		for {
+			select {
+			case <-quit:
+				return
+			default:
+				if s := h.m.Stats(); s.Received != accounted(s) {
+					bad.CompareAndSwap(nil, s)
+				}
+			}
+		}
+	}()
+	waitFor(t, func() bool { return h.m.Stats().Received >= 200 }, "round %d: intake moves", round)
+	shut := make(chan error, 1)
+	go func() { shut <- h.m.Shutdown(context.Background()) }()
+	err := awaitErr(t, shut)
+	close(quit)
+	wg.Wait()
+	_, open := startResult(t, errCh)
+	require.False(t, open, "round %d: Start's channel closes without an error at Shutdown", round)
+
+	require.Nil(t, bad.Load(), "round %d: a Stats snapshot did not balance", round)
+	require.NoError(t, err, "round %d: nothing stuck, nothing cut: the drain was done", round)
+	s := h.m.Stats()
+	assertBalanced(t, s)
+	assert.EqualValues(t, sent.Load(), s.Received, "round %d: every envelope read is received: %+v", round, s)
+	assert.Zero(t, s.Queued+s.InFlight+s.EventsInBackoff, "round %d: %+v", round, s)
+	assert.EqualValues(t, forgotten.Load(), s.Forgotten, "round %d", round)
+	assert.EqualValues(t, dropped.Load(), s.Dropped, "round %d: drop handler vs Dropped", round)
+	assert.False(t, x.twice.Load(), "round %d: a key on two goroutines", round)
+	assert.False(t, h.clock.HasWaiters(), "round %d: a stopped monitor holds a timer", round)
 }
