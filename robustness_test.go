@@ -194,6 +194,9 @@ func TestProgrammingErrorsPanicAtOnce(t *testing.T) {
 	assert.PanicsWithValue(t, "eventmonitor: Subscribe with a nil Subscriber", func() {
 		h.m.Subscribe(nil)
 	})
+	assert.PanicsWithValue(t, "eventmonitor: Subscribe with a nil Subscriber", func() {
+		h.m.Subscribe((*fakeStream)(nil)) // at once, not in the Subscriber
+	})
 }
 
 // selfReadingErr is an error whose message reads the monitor, as a lazily

@@ -35,7 +35,7 @@ type subscription struct {
 // Subscribe subscribes to s for Start, as containerd's CRI monitor does, until
 // Stop or Shutdown. Subscribing again before Start ends the earlier stream.
 func (m *Monitor) Subscribe(s Subscriber, filters ...string) {
-	if s == nil {
+	if isNil(s) {
 		panic("eventmonitor: Subscribe with a nil Subscriber")
 	}
 	ctx, cancel := context.WithCancel(m.intake)
@@ -138,7 +138,7 @@ func (m *Monitor) setReader(r reader) {
 // may be called again after it returned. Returning does not stop the monitor:
 // Shutdown or Stop does.
 func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) error {
-	if s == nil {
+	if isNil(s) {
 		return fmt.Errorf("%w: Run needs a subscriber", ErrInvalidOption)
 	}
 	m.mu.Lock()

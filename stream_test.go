@@ -329,6 +329,7 @@ func TestRunResyncsOncePerOutage(t *testing.T) {
 func TestRunArguments(t *testing.T) {
 	h := newHarness(t, newRecorder())
 	require.ErrorIs(t, h.m.Run(context.Background(), nil), ErrInvalidOption)
+	require.ErrorIs(t, h.m.Run(context.Background(), SubscriberFunc(nil)), ErrInvalidOption, "a typed nil too")
 	require.ErrorIs(t, h.m.Run(context.Background(), newFakeStream()), ErrNoConverter)
 }
 
