@@ -30,13 +30,9 @@ type Stats struct {
 	InFlight, Overrunning, Queued, KeysInBackoff, EventsInBackoff int
 }
 
-// The identity holds in every snapshot: counters move under mu, and the
-// gauges are derived from keyq and the calls, so an event moving between
-// them is not counted. An event leaves the gauges once: into Handled or
-// Ignored when its call settles, Dropped when given up on, abandoned or
-// left at Stop, Forgotten by Forget; a failure keeps it in backoff.
-
-// Stats returns a consistent snapshot of the counters and gauges.
+// Stats returns a consistent snapshot of the counters and gauges: the
+// counters move under mu and the gauges are derived from keyq and the calls,
+// so the identity holds in every snapshot.
 func (m *Monitor) Stats() Stats {
 	m.mu.Lock()
 	defer m.mu.Unlock()
