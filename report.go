@@ -6,10 +6,6 @@ import (
 	"github.com/containerd/log"
 )
 
-// What a settled call tells the world, without the lock: its duration and
-// outcome to the metrics, its failure, overrun or retry to the log, its
-// drop to the drop handler.
-
 // outcome is what a failed call leaves to report once mu is released.
 type outcome struct {
 	failed error         // the handler's error; nil if the event did not fail
@@ -18,8 +14,8 @@ type outcome struct {
 }
 
 // report gives a settled call's duration to the metrics, logs its overrun
-// or failure and hands its drop over. A failing key calls once per delay:
-// it cannot flood the log.
+// or failure and hands its drop over, without the lock. A failing key calls
+// once per delay: it cannot flood the log.
 func (m *Monitor) report(c *call, err error, end time.Time, out outcome, overran bool) {
 	if mt := m.cfg.metrics; mt != nil {
 		m.protect("Metrics", c.key.Name(), func() {
