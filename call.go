@@ -61,10 +61,7 @@ type call struct {
 	replayStart bool            // its event is the first of a replay: logged as a retry
 	progress    atomic.Int32    // how far its goroutine got; set without mu
 
-	// Guarded by Monitor.mu. stage: startCall sets inTime; expire moves it
-	// to late, then overran; settle to settling; Stop's abandon to
-	// abandoned. seat: startCall sets it; replaceStuck gives an overran
-	// call's slot away (gaveSlot).
+	// Guarded by Monitor.mu.
 	seat  seat
 	stage stage
 }
@@ -149,8 +146,6 @@ func (m *Monitor) handle(c *call) (next *call) {
 	return m.finish(c, ignored, err)
 }
 
-// errHandlerExited is the error of a handler that panicked with nil (under
-// GODEBUG=panicnil=1, where recover returns nil) or ended its goroutine.
 var errHandlerExited = fmt.Errorf("%w: it panicked with nil or called runtime.Goexit (as t.FailNow does)", ErrHandlerPanic)
 
 // invoke calls the handler (ignored: its error is ErrUnsupportedEvent),
