@@ -18,10 +18,7 @@ import (
 // than kept in memory.
 const MaxKeyLength = 4096
 
-// lifecycle is the monitor's state; its transitions are in New,
-// releaseHold and stop.go. Intake ends a step before it changes, as
-// Shutdown or Stop is called (intakeEnded): Shutdown, still running, then
-// waits for the stream reader to see that.
+// lifecycle is the monitor's state; New, releaseHold and stop.go change it.
 type lifecycle uint8
 
 const (
@@ -31,14 +28,12 @@ const (
 	stopped                   // Stop began: accepts nothing, takes no key (a call taken before still runs, cancelled)
 )
 
-// accepts reports whether new events are taken in.
 func (s lifecycle) accepts() bool { return s == held || s == running }
-
-// handles reports whether calls start.
 func (s lifecycle) handles() bool { return s == running || s == draining }
 
-// intakeEnded reports whether Shutdown or Stop was called: only envelopes
-// the stream reader already took are still accepted. mu need not be held.
+// intakeEnded reports whether Shutdown or Stop was called, a step before the
+// state changes: only envelopes the stream reader already took are still
+// accepted, and Shutdown waits for it to see this. mu need not be held.
 func (m *Monitor) intakeEnded() bool { return m.intake.Err() != nil }
 
 // Monitor handles typed events in order per key, with parallelism across
@@ -86,7 +81,6 @@ type item struct {
 // origin is the envelope an event came from, for its drop and log lines.
 type origin struct{ topic, namespace string }
 
-// from is the topic and namespace of the envelope the event came from.
 func (it item) from() (topic, namespace string) {
 	if it.origin == nil {
 		return "", ""
@@ -172,8 +166,7 @@ func (m *Monitor) changed() {
 	m.cond.Broadcast()
 }
 
-// replays reports whether k, the key due first, replays now: when due
-// while running, at once while draining, not while held or stopped.
+// replays reports whether k, the key due first, replays now. mu is held.
 func (m *Monitor) replays(k *keyq.Key[item]) bool {
 	switch m.state {
 	case running:
