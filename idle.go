@@ -5,9 +5,6 @@ import (
 	"time"
 )
 
-// Waiting on the monitor: WaitIdle for tests (see package
-// eventmonitortest), and how every waiter on cond follows its caller's ctx.
-
 // NextRetry returns when the next backoff replay is due, and false if no
 // key is waiting in backoff. A key given Backoff while its call runs
 // starts waiting when the call ends: call WaitIdle first. A held monitor
