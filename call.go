@@ -129,8 +129,7 @@ func (m *Monitor) work(c *call) {
 	}
 }
 
-// handle makes call c and returns the next call its slot, if it holds
-// one, takes on (see finish).
+// handle makes call c and returns the next call for its slot (see release).
 func (m *Monitor) handle(c *call) (next *call) {
 	if c.replayStart {
 		// Before the CAS: a call held up in a log hook has invoked no
@@ -170,9 +169,8 @@ func (m *Monitor) invoke(c *call) (ignored bool, err error) {
 	return ignored, err
 }
 
-// finish settles call c, whose handler is done, and reports its outcome,
-// and returns the next call its slot (if it holds one) takes on, under the
-// same lock.
+// finish settles call c, whose handler is done, reports its outcome and
+// releases it, returning release's next call.
 func (m *Monitor) finish(c *call, ignored bool, err error) (next *call) {
 	c.progress.Store(returned) // no user code is left: Stop waits, not abandons
 	c.cancel(context.Canceled) // what the handler started with ctx stops
