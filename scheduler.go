@@ -21,9 +21,7 @@ type schedulerState struct {
 	wake  chan struct{} // makes the scheduler look now
 }
 
-// wakeAt is when the scheduler must look next (zero: never): the first
-// retry due while running, the first deadline of a call in time, the first
-// end of grace of a call past its deadline. mu is held.
+// wakeAt is when the scheduler must look next (zero: never). mu is held.
 func (m *Monitor) wakeAt() (at time.Time) {
 	earlier := func(t time.Time) {
 		if at.IsZero() || t.Before(at) {
