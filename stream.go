@@ -187,11 +187,9 @@ func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) erro
 	return nil
 }
 
-// runOnce reads one subscription of Run's until it breaks or ctx ends. After
-// an outage it runs the resync hook beside the reading once the subscription
-// is established, and waits for it. Established means it delivered or went
-// unrefused for the initial resubscribe delay: a daemon still down refuses at
-// once, and relisting against it would be wasted.
+// runOnce reads one subscription of Run's until it breaks or ctx ends; after
+// an outage, it runs the resync hook beside it once established (see
+// WithResync), and waits for the hook.
 func (m *Monitor) runOnce(ctx context.Context, s Subscriber, filters []string, outage bool) (delivered bool, err error) {
 	subCtx, cancelSub := context.WithCancel(ctx)
 	defer cancelSub()
