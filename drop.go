@@ -52,8 +52,7 @@ func (f failedDrop) Unwrap() []error { return []error{f.why, f.err} }
 // drop counts the drops of key's items and returns them for emit to hand
 // over once mu is released: one Drop per run of items of the same topic
 // and namespace, so that each says where its events came from. An item
-// with a nil event (an envelope that never became one, a nil event given
-// to Backoff) counts, but adds nothing to Events. mu is held.
+// with a nil event counts, but adds nothing to Events. mu is held.
 func (m *Monitor) drop(key string, reason error, items ...item) []Drop {
 	var drops []Drop
 	for i, it := range items {

@@ -71,10 +71,8 @@ func (m *Monitor) beginStop(cutsDrain bool) {
 }
 
 // abandon gives up, at Stop, on the calls in the given stages whose
-// handler is still running: their events are dropped, saying why, and their
-// goroutines leave unseen if they ever return. A call whose handler
-// returned is waited for: it settles as soon as it has the lock. It
-// returns how many it gave up on. mu is held.
+// handler is still running (see returned): their events are dropped, saying
+// why, and their goroutines leave unseen. It returns how many. mu is held.
 func (m *Monitor) abandon(why string, stages ...stage) (gaveUp int) {
 	before := len(m.calls)
 	m.calls = slices.DeleteFunc(m.calls, func(c *call) bool {
@@ -223,8 +221,7 @@ func (o drainOutcome) err(ctx context.Context) error {
 }
 
 // drainable reports whether a drain can still move: a call not stuck
-// (overran and still running: a returned one settles once it has the
-// lock) may finish, or a ready key has a free slot. mu is held.
+// (see runningIn) may finish, or a ready key has a free slot. mu is held.
 func (m *Monitor) drainable() bool {
 	for _, c := range m.calls {
 		if !c.runningIn(overran) {
