@@ -147,10 +147,9 @@ func (s *Set[T]) PushBackoff(name string, it T, now time.Time) *Key[T] {
 // Take moves the first Ready key to Running and returns it with its head
 // event (nil if none is ready); replayStart: the event starts a replay.
 func (s *Set[T]) Take() (k *Key[T], it T, replayStart bool) {
-	if k = s.ready.head; k == nil {
-		return nil, it, false
+	if k = s.ready.head; k != nil {
+		it, replayStart = s.take(k)
 	}
-	it, replayStart = s.take(k)
 	return k, it, replayStart
 }
 
