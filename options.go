@@ -133,6 +133,9 @@ func WithResync(fn func(ctx context.Context) error) Option {
 // meanwhile replay at once. Use it when events may precede their handler.
 func WithDeferredStart() Option { return func(c *config) { c.deferredStart = true } }
 
+// WithMetrics sets where the monitor reports durations and drops.
+func WithMetrics(m Metrics) Option { return func(c *config) { c.metrics = m } }
+
 // WithLogger sets the logger; each line also carries the event's fields.
 func WithLogger(l *log.Entry) Option { return func(c *config) { c.logger = l } }
 
