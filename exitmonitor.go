@@ -88,8 +88,6 @@ func WatchExitResult[S ExitStatus](ctx context.Context, m *Monitor, key string, 
 	return done
 }
 
-// mustWatch panics, naming caller, on a nil ctx, Monitor, exit channel or
-// builder.
 func mustWatch(ctx context.Context, caller string, m *Monitor, noChannel, noBuilder bool) {
 	switch {
 	case ctx == nil:
