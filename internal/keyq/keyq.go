@@ -233,8 +233,7 @@ func (s *Set[T]) Forget(name string) []T {
 	}
 	s.uncount(k)
 	items := k.items
-	k.items = nil
-	k.backoff = nil
+	k.items, k.backoff = nil, nil
 	if k.phase != Running {
 		s.moveTo(k, Idle)
 	}
