@@ -61,7 +61,8 @@ type call struct {
 	replayStart bool            // its event is the first of a replay: logged as a retry
 	progress    atomic.Int32    // how far its goroutine got; set without mu
 
-	// Guarded by Monitor.mu.
+	// Guarded by Monitor.mu. stage: inTime, then late and overran (expire),
+	// settling (finish) or abandoned (Stop). seat: gaveSlot (replaceStuck).
 	seat  seat
 	stage stage
 }

@@ -10,8 +10,8 @@ import (
 // Counters and gauges are read from Stats at scrape time (see the prometheus
 // module), costing nothing on the event path. Methods run on the monitor's
 // goroutines without its lock, so must be concurrency-safe and quick, and
-// must not call WaitIdle, Stop or Shutdown, which wait for them. Unset, Metrics costs a nil
-// check.
+// must not call WaitIdle, Stop or Shutdown, which wait for them. Unset,
+// Metrics costs a nil check.
 type Metrics interface {
 	// HandlerDone reports each handler call's duration and error (nil on
 	// success), but for calls Stop abandoned: their events are dropped.
