@@ -17,10 +17,10 @@ import (
 //   - runtime.Goexit (t.FailNow in a test's callback), which no recover
 //     stops: onGoexit around a worker's retry line, handler call and
 //     report, so that the call still settles and its slot goes on;
-//     deferred counts around an exit's reading and an envelope's taking
-//     (which drops the envelope); Start's reader ends in a deferred
-//     cleanup that reports it. Nothing hangs, but what the ended goroutine
-//     had left to report (a drop, a log line) is lost.
+//     dropUnless and deferred counts around an envelope's taking and an
+//     exit's reading, so that what was taken in is dropped; Start's reader
+//     ends in a deferred cleanup that reports it. Nothing hangs, but what
+//     the ended goroutine had left to report (a drop, a log line) is lost.
 //
 // A Subscriber runs on the caller's goroutine (Subscribe, Run), so its
 // panic is the caller's.

@@ -108,6 +108,7 @@ var ErrNoExitStatus = errors.New("eventmonitor: exit channel closed without a st
 var (
 	errExitStatusPanic  = errors.New("reading the exit status panicked")
 	errExitBuilderPanic = fmt.Errorf("%w: exit event builder panicked", ErrInvalidEvent)
+	errExitExited       = fmt.Errorf("%w: reading or building the exit ended its goroutine (runtime.Goexit)", ErrInvalidEvent)
 )
 
 // queueExit reads s (received: exitCh was not closed empty) and accepts
@@ -119,6 +120,8 @@ func (m *Monitor) queueExit(key string, s ExitStatus, received bool, build func(
 	m.inHand()
 	defer m.watchers.Done() // deferred, as is the next: user code may end the goroutine
 	defer m.outOfHand()
+	built := false
+	defer m.dropUnless(&built, key, &item{}, errExitExited)
 	code, at, err := uint32(UnknownExitCode), time.Time{}, error(ErrNoExitStatus)
 	if received {
 		func() {
@@ -136,6 +139,7 @@ func (m *Monitor) queueExit(key string, s ExitStatus, received bool, build func(
 		defer catch(&err, errExitBuilderPanic)
 		event, err = build(code, at, err), nil
 	}()
+	built = true
 	m.mu.Lock()
 	var k *keyq.Key[item]
 	if err == nil {

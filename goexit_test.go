@@ -227,9 +227,9 @@ func TestGoexitInTheWatchersInlineCall(t *testing.T) {
 	assertBalanced(t, h.m.Stats())
 }
 
-// Goexit in the exit status's Result, the exit
-// builder, and the drop handler of a refused exit ends the watcher without
-// holding up WaitIdle or Stop.
+// Goexit in the exit status's Result, the exit builder, and the drop
+// handler of a refused exit ends the watcher without holding up WaitIdle or
+// Stop, and the exit is still dropped, not lost.
 func TestGoexitInTheWatchersUserCode(t *testing.T) {
 	for _, where := range []string{"Result", "builder", "drop handler"} {
 		t.Run(where, func(t *testing.T) {
@@ -257,6 +257,7 @@ func TestGoexitInTheWatchersUserCode(t *testing.T) {
 			}
 			awaitClosed(t, WatchExit(context.Background(), h.m, "c1", exitCh, build), "the watcher")
 			h.settled(t)
+			assert.Equal(t, uint64(1), h.m.Stats().Dropped, "the exit is dropped")
 			stopped := make(chan struct{})
 			go func() { h.m.Stop(); close(stopped) }()
 			awaitClosed(t, stopped, "Stop")

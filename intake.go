@@ -60,14 +60,7 @@ func (m *Monitor) take(ctx context.Context, env *Envelope) {
 		it.origin = &origin{env.Topic, env.Namespace}
 	}
 	converted := false
-	defer func() {
-		if !converted { // user code ended the goroutine: the envelope is still accounted for
-			m.mu.Lock()
-			drops := m.refuse("", it, errConverterExited)
-			m.mu.Unlock()
-			m.emit(drops...)
-		}
-	}()
+	defer m.dropUnless(&converted, "", &it, errConverterExited)
 	key, event, ignored, err := m.convert(env)
 	var url string
 	if ignored { // the payload's code: not under mu, nor unguarded
@@ -120,6 +113,18 @@ func (m *Monitor) outOfHand() {
 	m.accepting--
 	m.changed()
 	m.mu.Unlock()
+}
+
+// dropUnless, deferred with a flag set once user code is done with what
+// the goroutine took in, drops it with reason if that code ended the
+// goroutine (runtime.Goexit) instead: it is still accounted for.
+func (m *Monitor) dropUnless(done *bool, key string, it *item, reason error) {
+	if !*done {
+		m.mu.Lock()
+		drops := m.refuse(key, *it, reason)
+		m.mu.Unlock()
+		m.emit(drops...)
+	}
 }
 
 // convert filters env by namespace and runs the converter (ignored: its
