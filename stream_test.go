@@ -782,7 +782,7 @@ func startFloodRound(t *testing.T, round int) {
 	var sent, forgotten atomic.Int64
 	quit := make(chan struct{})
 	var wg sync.WaitGroup
-	wg.Add(4)
+	wg.Add(1)
 	go func() { // the runtime
 		defer wg.Done()
 		for j := 0; ; j++ {
@@ -794,44 +794,18 @@ func startFloodRound(t *testing.T, round int) {
 			}
 		}
 	}()
-	go func() { // time
-		defer wg.Done()
-		for {
-			select {
-			case <-quit:
-				return
-			default:
-				h.clock.Step(200 * time.Millisecond)
-				runtime.Gosched()
-			}
-		}
-	}()
-	go func() { // a relister forgetting deleted containers
-		defer wg.Done()
-		for j := 0; ; j++ {
-			select {
-			case <-quit:
-				return
-			default:
-				forgotten.Add(int64(len(h.m.Forget(fmt.Sprintf("k%d", j%7)))))
-				runtime.Gosched()
-			}
-		}
-	}()
+	repeat(&wg, quit, func() { h.clock.Step(200 * time.Millisecond) }) // time
+	j := 0
+	repeat(&wg, quit, func() { // a relister forgetting deleted containers
+		forgotten.Add(int64(len(h.m.Forget(fmt.Sprintf("k%d", j%7)))))
+		j++
+	})
 	var bad atomic.Value
-	go func() { // every snapshot balances
-		defer wg.Done()
-		for {
-			select {
-			case <-quit:
-				return
-			default:
-				if s := h.m.Stats(); s.Received != accounted(s) {
-					bad.CompareAndSwap(nil, s)
-				}
-			}
+	repeat(&wg, quit, func() { // every snapshot balances
+		if s := h.m.Stats(); s.Received != accounted(s) {
+			bad.CompareAndSwap(nil, s)
 		}
-	}()
+	})
 	waitFor(t, func() bool { return h.m.Stats().Received >= 200 }, "round %d: intake moves", round)
 	shut := make(chan error, 1)
 	go func() { shut <- h.m.Shutdown(context.Background()) }()
@@ -851,4 +825,22 @@ func startFloodRound(t *testing.T, round int) {
 	assert.EqualValues(t, dropped.Load(), s.Dropped, "round %d: drop handler vs Dropped", round)
 	assert.False(t, x.twice.Load(), "round %d: a key on two goroutines", round)
 	assert.False(t, h.clock.HasWaiters(), "round %d: a stopped monitor holds a timer", round)
+}
+
+// repeat calls fn on a goroutine of wg's, yielding in between, until quit
+// closes.
+func repeat(wg *sync.WaitGroup, quit <-chan struct{}, fn func()) {
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			select {
+			case <-quit:
+				return
+			default:
+				fn()
+				runtime.Gosched()
+			}
+		}
+	}()
 }
