@@ -130,19 +130,27 @@ func (m *Monitor) work(c *call) {
 	}
 }
 
+// workOn hands next, if any, to a new worker: a user's callback ended the
+// goroutine of the worker it was for.
+func (m *Monitor) workOn(next *call) {
+	if next != nil {
+		go m.work(next)
+	}
+}
+
 // handle makes call c and returns the next call for its slot (see release).
 func (m *Monitor) handle(c *call) (next *call) {
 	if c.replayStart {
 		// Before the CAS: a call held up in a log hook has invoked no
 		// handler yet, so Stop may still withdraw it.
-		m.onGoexit(func() { m.logRetry(c) }, func() *call { c.replayStart = false; return c })
+		onGoexit(func() { m.logRetry(c) }, func() { c.replayStart = false; go m.work(c) })
 	}
 	if !c.progress.CompareAndSwap(notBegun, invoked) {
 		return nil // Stop withdrew it before it began, and accounted for it
 	}
 	var ignored bool
 	var err error
-	m.onGoexit(func() { ignored, err = m.invoke(c) }, func() *call { return m.finish(c, false, errHandlerExited) })
+	onGoexit(func() { ignored, err = m.invoke(c) }, func() { m.workOn(m.finish(c, false, errHandlerExited)) })
 	return m.finish(c, ignored, err)
 }
 
@@ -190,10 +198,11 @@ func (m *Monitor) finish(c *call, ignored bool, err error) (next *call) {
 		c.stage = settling // WaitIdle and Stop wait for the report
 		m.changed()
 		m.mu.Unlock() // the report runs user code: logger, Metrics, drop handler
-		m.onGoexit(func() { m.report(c, err, end, out, overran) }, func() *call {
+		onGoexit(func() { m.report(c, err, end, out, overran) }, func() {
 			m.mu.Lock()
-			defer m.mu.Unlock()
-			return m.release(c, out.drops != nil)
+			next := m.release(c, out.drops != nil)
+			m.mu.Unlock()
+			m.workOn(next)
 		})
 		m.mu.Lock()
 	}

@@ -17,10 +17,10 @@ import (
 //   - runtime.Goexit (t.FailNow in a test's callback), which no recover
 //     stops: onGoexit around a worker's retry line, handler call and
 //     report, so that the call still settles and its slot goes on;
-//     dropUnless and deferred counts around an envelope's taking and an
-//     exit's reading, so that what was taken in is dropped; Start's reader
-//     ends in a deferred cleanup that reports it. Nothing hangs, but what
-//     the ended goroutine had left to report (a drop, a log line) is lost.
+//     onGoexit also around an envelope's conversion and an exit's reading,
+//     so that what was taken in is dropped, and around Start's reading,
+//     which then reports it; deferred counts. Nothing hangs, but what the
+//     ended goroutine had left to report (a drop, a log line) is lost.
 //
 // A Subscriber runs on the caller's goroutine (Subscribe, Run), so its
 // panic is the caller's.
@@ -55,15 +55,13 @@ func panicked(r any) (s string) {
 }
 
 // onGoexit runs fn, which calls user code. If fn ends the goroutine
-// (runtime.Goexit), rest runs as it unwinds, and the call rest returns
-// goes to a new worker. A panic goes on as it was, and rest does not run.
-func (m *Monitor) onGoexit(fn func(), rest func() *call) {
+// (runtime.Goexit), rest runs as it unwinds, to finish what fn left. A
+// panic goes on as it was, and rest does not run.
+func onGoexit(fn, rest func()) {
 	returned, panicking := false, false
 	defer func() {
 		if !returned && !panicking {
-			if next := rest(); next != nil {
-				go m.work(next)
-			}
+			rest()
 		}
 	}()
 	func() {

@@ -108,20 +108,12 @@ var ErrNoExitStatus = errors.New("eventmonitor: exit channel closed without a st
 var (
 	errExitStatusPanic  = errors.New("reading the exit status panicked")
 	errExitBuilderPanic = fmt.Errorf("%w: exit event builder panicked", ErrInvalidEvent)
-	errExitExited       = fmt.Errorf("%w: reading or building the exit ended its goroutine (runtime.Goexit)", ErrInvalidEvent)
+	errExitExited       = fmt.Errorf("%w: reading or building the exit ended the goroutine (runtime.Goexit)", ErrInvalidEvent)
 )
 
-// queueExit reads s (received: exitCh was not closed empty) and accepts
-// the event build makes. On an idle key it returns a call for the watcher
-// to make at once, through a worker's call path but holding no slot. The
-// watcher stops counting for Stop before that call: Stop waits for calls,
-// and abandons stuck ones.
-func (m *Monitor) queueExit(key string, s ExitStatus, received bool, build func(uint32, time.Time, error) any) *call {
-	m.inHand()
-	defer m.watchers.Done() // deferred, as is the next: user code may end the goroutine
-	defer m.outOfHand()
-	built := false
-	defer m.dropUnless(&built, key, &item{}, errExitExited)
+// buildExit reads s and builds its event, turning a panic in either into
+// an error.
+func (m *Monitor) buildExit(key string, s ExitStatus, received bool, build func(uint32, time.Time, error) any) (event any, err error) {
 	code, at, err := uint32(UnknownExitCode), time.Time{}, error(ErrNoExitStatus)
 	if received {
 		func() {
@@ -134,12 +126,23 @@ func (m *Monitor) queueExit(key string, s ExitStatus, received bool, build func(
 		m.cfg.logger.WithField("key", key).WithError(err).Warn("cannot read exit status; exit code unknown")
 		code, at = UnknownExitCode, m.cfg.clock.Now()
 	}
+	defer catch(&err, errExitBuilderPanic)
+	return build(code, at, err), nil
+}
+
+// queueExit reads s (received: exitCh was not closed empty) and accepts
+// the event build makes. On an idle key it returns a call for the watcher
+// to make at once, through a worker's call path but holding no slot. The
+// watcher stops counting for Stop before that call: Stop waits for calls,
+// and abandons stuck ones.
+func (m *Monitor) queueExit(key string, s ExitStatus, received bool, build func(uint32, time.Time, error) any) *call {
+	m.inHand()
+	defer m.watchers.Done() // deferred, as is the next: user code may end the goroutine
+	defer m.outOfHand()
 	var event any
-	func() {
-		defer catch(&err, errExitBuilderPanic)
-		event, err = build(code, at, err), nil
-	}()
-	built = true
+	var err error
+	onGoexit(func() { event, err = m.buildExit(key, s, received, build) },
+		func() { m.dropTaken(key, item{}, errExitExited) })
 	m.mu.Lock()
 	var k *keyq.Key[item]
 	if err == nil {

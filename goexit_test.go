@@ -20,6 +20,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/types/known/wrapperspb"
+	testclock "k8s.io/utils/clock/testing"
 )
 
 // runtime.Goexit (what t.FailNow and require do in a test's callback) in
@@ -863,4 +864,266 @@ func TestGoexitInTheDropHandlerEndsStartsReaderCleanly(t *testing.T) {
 	h.m.Stop()
 	_, open := <-errCh
 	assert.False(t, open, "the next Start read until Stop")
+}
+
+// A log hook that ends Start's reader (runtime.Goexit: t.FailNow in a
+// test's hook on error lines) on its "event stream failed" line: the
+// error was sent already, Start's channel still closes, and Stop returns.
+func TestGoexitInTheStreamFailedLineStillEndsStart(t *testing.T) {
+	lg, hook := endingLogger("event stream failed", runtime.Goexit)
+	drops := &dropLog{}
+	m, err := New(newRecorder(), WithClock(testclock.NewFakeClock(epoch)), WithConverter(testConverter),
+		WithLogger(lg), WithDropHandler(drops.add))
+	require.NoError(t, err)
+	stream := newFakeStream()
+	m.Subscribe(stream)
+	errCh := m.Start()
+	sub := <-stream.newSub
+	sub.errs <- errors.New("broken")
+	waitFor(t, hook.fired.Load, "the stream failure was never logged")
+	waitFor(t, readerIs(m, noReader), "the reader's place was not freed")
+
+	err, open := startResult(t, errCh)
+	require.True(t, open)
+	require.EqualError(t, err, "broken", "sent before the log line")
+	_, open = startResult(t, errCh)
+	assert.False(t, open, "Start's channel closes after a log hook ended its reader")
+	stopped := make(chan struct{})
+	go func() { m.Stop(); close(stopped) }()
+	awaitClosed(t, stopped, "Stop")
+}
+
+// A panic (not a Goexit) through take, before the converter's result is
+// in (a log hook panicking on protect's line for an ignored payload whose
+// GetTypeUrl panics), on Run's caller's goroutine, which recovers it: the
+// envelope is not dropped as if the converter had called runtime.Goexit,
+// and the drop handler is not called mid-panic with that made-up reason.
+func TestAPanicThroughAnEnvelopesTakingIsNotTakenForAGoexit(t *testing.T) {
+	lg, hook := endingLogger("GetTypeUrl panicked", func() { panic("log hook panics") })
+	conv := ConverterFunc(func(typeurl.Any) (string, any, error) { return "", nil, ErrUnsupportedEvent })
+	h := newHarness(t, newRecorder(), WithConverter(conv), WithLogger(lg))
+	ch := make(chan *Envelope, 1)
+	ch <- &Envelope{Topic: "/x", Event: panickyAny{}}
+	var escaped any
+	func() {
+		defer func() { escaped = recover() }()
+		_ = h.m.Run(context.Background(), SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) {
+			return ch, nil
+		}))
+	}()
+	require.True(t, hook.fired.Load())
+	require.Equal(t, "log hook panics", escaped, "the hook's panic goes on to Run's caller")
+	s := h.m.Stats()
+	assertBalanced(t, s)
+	for _, d := range h.drops.all() {
+		assert.NotErrorIs(t, d.Reason, errConverterExited,
+			"a panic was reported to the drop handler as the converter's runtime.Goexit: %v", d)
+	}
+	assert.Zero(t, s.Dropped, "%+v", s)
+	require.True(t, readerIs(h.m, noReader)())
+}
+
+// The same through an exit's reading: a log hook panicking on the "cannot
+// read exit status" line crashes the watcher's goroutine, as any unguarded
+// panic does, without the drop handler first being told of a Goexit.
+func TestAPanicThroughAnExitsReadingIsNotTakenForAGoexit(t *testing.T) {
+	const env = "EVENTMONITOR_EXIT_PANIC_CHILD"
+	if os.Getenv(env) == "1" {
+		lg, _ := endingLogger("cannot read exit status", func() { panic("log hook panics") })
+		m, err := New(newRecorder(), WithLogger(lg),
+			WithDropHandler(func(d Drop) { fmt.Printf("DROP-HANDLER-CALLED: %v\n", d.Reason) }))
+		if err != nil {
+			panic(err)
+		}
+		exitCh := make(chan fakeExit, 1)
+		exitCh <- fakeExit{err: errors.New("no status")}
+		WatchExit(context.Background(), m, "c1", exitCh, exitOf("c1"))
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_ = m.WaitIdle(ctx) // the exit is in hand until the child crashes
+		return
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^TestAPanicThroughAnExitsReadingIsNotTakenForAGoexit$", "-test.count=1")
+	cmd.Env = append(os.Environ(), env+"=1")
+	out, err := cmd.CombinedOutput()
+	var exit *exec.ExitError
+	require.True(t, errors.As(err, &exit), "the child should crash on the hook's panic: %v\n%s", err, out)
+	assert.Contains(t, string(out), "log hook panics")
+	assert.NotContains(t, string(out), "DROP-HANDLER-CALLED",
+		"user code ran mid-panic, told of a Goexit for a panic:\n%s", out)
+}
+
+// Under GODEBUG=panicnil=1 the same with panic(nil): still a panic, not a
+// Goexit; the drop handler must not be told of a Goexit (it prints a
+// failing STATE line if it is).
+func TestPanicNilThroughAnExitsReadingIsNotTakenForAGoexit(t *testing.T) {
+	inPanicNilChild(t, "TestPanicNilThroughAnExitsReadingIsNotTakenForAGoexit", func(t *testing.T) (string, bool) {
+		lg, hook := endingLogger("cannot read exit status", func() { panic(nil) })
+		m, err := New(newRecorder(), WithLogger(lg), WithDropHandler(func(d Drop) {
+			if errors.Is(d.Reason, errExitExited) {
+				fmt.Printf("STATE ok=false the drop handler was told of a Goexit for a nil panic: %v\n", d.Reason)
+			}
+		}))
+		require.NoError(t, err)
+		exitCh := make(chan fakeExit, 1)
+		exitCh <- fakeExit{err: errors.New("no status")}
+		awaitClosed(t, WatchExit(context.Background(), m, "c1", exitCh, exitOf("c1")), "the watcher")
+		waitFor(t, hook.fired.Load, "never logged")
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_ = m.WaitIdle(ctx)
+		s := m.Stats()
+		return fmt.Sprintf("%+v", s), s.Dropped == 0 && accounted(s) == s.Received
+	})
+}
+
+// Nested Goexit on Start's reader: the converter ends the goroutine, and
+// the drop handler that drops the envelope ends it again. The envelope is dropped
+// once, the drop handler called once, the channel reports errReaderExited
+// and closes, the reader's place is free, and Stop returns.
+func TestNestedGoexitConverterThenDropHandlerOnStart(t *testing.T) {
+	var dropCalls atomic.Int32
+	h := newHarness(t, newRecorder(), WithConverter(goexitConverter),
+		WithDropHandler(func(Drop) { dropCalls.Add(1); runtime.Goexit() }))
+	stream := newFakeStream()
+	h.m.Subscribe(stream)
+	errCh := h.m.Start()
+	sub := <-stream.newSub
+	sub.send(t, envelope(t, "ns", wrapperspb.String("exit")))
+	err, open := startResult(t, errCh)
+	require.True(t, open)
+	require.ErrorIs(t, err, errReaderExited)
+	_, open = startResult(t, errCh)
+	require.False(t, open)
+	require.True(t, readerIs(h.m, noReader)())
+	h.settled(t)
+	s := h.m.Stats()
+	assert.Equal(t, uint64(1), s.Dropped)
+	assert.Equal(t, int32(1), dropCalls.Load())
+	assertBalanced(t, s)
+}
+
+// Nested Goexit on an exit watcher: the builder ends the goroutine, and the
+// drop handler that drops the exit ends it again.
+func TestNestedGoexitBuilderThenDropHandler(t *testing.T) {
+	var dropCalls atomic.Int32
+	h := newHarness(t, newRecorder(), WithDropHandler(func(Drop) { dropCalls.Add(1); runtime.Goexit() }))
+	exitCh := make(chan fakeExit, 1)
+	exitCh <- fakeExit{code: 1, at: epoch}
+	awaitClosed(t, WatchExit(context.Background(), h.m, "c1", exitCh, func(uint32, time.Time) any {
+		runtime.Goexit()
+		return nil
+	}), "the watcher")
+	h.settled(t)
+	s := h.m.Stats()
+	assert.Equal(t, uint64(1), s.Dropped)
+	assert.Equal(t, int32(1), dropCalls.Load())
+	assertBalanced(t, s)
+	stopped := make(chan struct{})
+	go func() { h.m.Stop(); close(stopped) }()
+	awaitClosed(t, stopped, "Stop")
+}
+
+// Under GODEBUG=panicnil=1, panic(nil) in the converter and in the exit
+// builder is recovered by catch: counted once (dropped), not also dropped
+// as a Goexit, and the reader goes on reading.
+func TestPanicNilInTheConverterAndBuilderIsCountedOnce(t *testing.T) {
+	inPanicNilChild(t, "TestPanicNilInTheConverterAndBuilderIsCountedOnce", func(t *testing.T) (string, bool) {
+		conv := ConverterFunc(func(p typeurl.Any) (string, any, error) {
+			key, event, err := testConverter.Convert(p)
+			if v, ok := event.(*wrapperspb.StringValue); ok && v.GetValue() == "nil" {
+				panic(nil)
+			}
+			return key, event, err
+		})
+		r := newRecorder()
+		h := newHarness(t, r, WithConverter(conv), WithLogger(quietLogger()))
+		stream := newFakeStream()
+		h.m.Subscribe(stream)
+		errCh := h.m.Start()
+		sub := <-stream.newSub
+		sub.send(t, envelope(t, "ns", wrapperspb.String("nil")))
+		sub.send(t, envelope(t, "ns", wrapperspb.String("c1")))
+		waitFor(t, func() bool { return len(r.handledList()) == 1 }, "the reader went on")
+		exitCh := make(chan fakeExit, 1)
+		exitCh <- fakeExit{code: 1, at: epoch}
+		awaitClosed(t, WatchExit(context.Background(), h.m, "c2", exitCh, func(uint32, time.Time) any { panic(nil) }), "the watcher")
+		h.settled(t)
+		s := h.m.Stats()
+		select {
+		case err := <-errCh:
+			return fmt.Sprintf("Start's channel said %v", err), false
+		default:
+		}
+		return fmt.Sprintf("%+v drops=%d", s, len(h.drops.all())),
+			s.Received == 3 && s.Dropped == 2 && s.Handled == 1 && len(h.drops.all()) == 2 && accounted(s) == s.Received
+	})
+}
+
+// A Goexit storm on Start's reader: every "exit" envelope ends it; the
+// test re-subscribes and starts again. Every snapshot balances, the drop
+// handler sees exactly Dropped, and each reader's channel reports
+// errReaderExited once.
+func TestConverterGoexitStormOnStart(t *testing.T) {
+	var mu sync.Mutex
+	dropped := 0
+	r := newRecorder()
+	h := newHarness(t, r, WithConverter(goexitConverter), WithWorkers(2),
+		WithDropHandler(func(d Drop) { mu.Lock(); dropped++; mu.Unlock() }))
+	checked := checkWhileRunning(t, h.m, func() string { return "" })
+	const rounds = 40
+	for i := range rounds {
+		stream := newFakeStream()
+		h.m.Subscribe(stream)
+		errCh := h.m.Start()
+		sub := <-stream.newSub
+		for k := range 3 {
+			sub.send(t, envelope(t, "ns", wrapperspb.String(fmt.Sprintf("k%d-%d", i, k))))
+		}
+		sub.send(t, envelope(t, "ns", wrapperspb.String("exit")))
+		err, open := startResult(t, errCh)
+		require.True(t, open, "round %d", i)
+		require.ErrorIs(t, err, errReaderExited, "round %d", i)
+		require.True(t, readerIs(h.m, noReader)(), "round %d", i)
+	}
+	h.settled(t)
+	checked()
+	s := h.m.Stats()
+	assert.Equal(t, uint64(rounds), s.Dropped)
+	assert.Equal(t, uint64(rounds*3), s.Handled)
+	mu.Lock()
+	assert.Equal(t, rounds, dropped)
+	mu.Unlock()
+	assertBalanced(t, s)
+}
+
+// Goexit in the converter while Shutdown waits for the reader: Shutdown
+// returns, Start's channel closes silently (intake ended), the envelope is
+// dropped once.
+func TestConverterGoexitDuringShutdown(t *testing.T) {
+	entered, release := make(chan struct{}), make(chan struct{})
+	conv := ConverterFunc(func(p typeurl.Any) (string, any, error) {
+		close(entered)
+		<-release
+		runtime.Goexit()
+		return "", nil, nil
+	})
+	h := newHarness(t, newRecorder(), WithConverter(conv))
+	stream := newFakeStream()
+	h.m.Subscribe(stream)
+	errCh := h.m.Start()
+	sub := <-stream.newSub
+	sub.send(t, envelope(t, "ns", wrapperspb.String("a")))
+	<-entered
+	shut := make(chan error, 1)
+	go func() { shut <- h.m.Shutdown(context.Background()) }()
+	waitFor(t, h.m.intakeEnded, "Shutdown never began")
+	close(release)
+	require.NoError(t, awaitErr(t, shut))
+	err, open := startResult(t, errCh)
+	require.False(t, open, "Start's channel said %v at Shutdown", err)
+	s := h.m.Stats()
+	assert.Equal(t, uint64(1), s.Dropped)
+	assert.Len(t, h.drops.all(), 1)
+	assertBalanced(t, s)
 }

@@ -41,9 +41,9 @@ var (
 	errFiltered = errors.New("eventmonitor: envelope of another namespace")
 	// errConverterPanic drops an envelope whose conversion panicked.
 	errConverterPanic = fmt.Errorf("%w: converter panicked", ErrInvalidEvent)
-	// errConverterExited drops an envelope whose conversion ended the
-	// goroutine (runtime.Goexit, as t.FailNow does).
-	errConverterExited = fmt.Errorf("%w: converter ended its goroutine (runtime.Goexit)", ErrInvalidEvent)
+	// errConverterExited drops an envelope whose conversion (the converter,
+	// the payload, a log hook) ended the goroutine, as t.FailNow does.
+	errConverterExited = fmt.Errorf("%w: converting it ended the goroutine (runtime.Goexit)", ErrInvalidEvent)
 )
 
 // take converts env without the lock and accepts it, waiting until ctx ends
@@ -59,14 +59,15 @@ func (m *Monitor) take(ctx context.Context, env *Envelope) {
 	if env != nil {
 		it.origin = &origin{env.Topic, env.Namespace}
 	}
-	converted := false
-	defer m.dropUnless(&converted, "", &it, errConverterExited)
-	key, event, ignored, err := m.convert(env)
-	var url string
-	if ignored { // the payload's code: not under mu, nor unguarded
-		m.protect("the payload's GetTypeUrl", "", func() { url = env.Event.GetTypeUrl() })
-	}
-	converted, it.event = true, event
+	var key, url string
+	var ignored bool
+	var err error
+	onGoexit(func() {
+		key, it.event, ignored, err = m.convert(env)
+		if ignored { // the payload's code: not under mu, nor unguarded
+			m.protect("the payload's GetTypeUrl", "", func() { url = env.Event.GetTypeUrl() })
+		}
+	}, func() { m.dropTaken("", it, errConverterExited) })
 	m.mu.Lock()
 	var drops []Drop
 	firstIgnored := false
@@ -115,16 +116,14 @@ func (m *Monitor) outOfHand() {
 	m.mu.Unlock()
 }
 
-// dropUnless, deferred with a flag set once user code is done with what
-// the goroutine took in, drops it with reason if that code ended the
-// goroutine (runtime.Goexit) instead: it is still accounted for.
-func (m *Monitor) dropUnless(done *bool, key string, it *item, reason error) {
-	if !*done {
-		m.mu.Lock()
-		drops := m.refuse(key, *it, reason)
-		m.mu.Unlock()
-		m.emit(drops...)
-	}
+// dropTaken drops what a goroutine took in (an envelope, an exit) when
+// user code ended it (runtime.Goexit) before it was queued: it is still
+// accounted for.
+func (m *Monitor) dropTaken(key string, it item, reason error) {
+	m.mu.Lock()
+	drops := m.refuse(key, it, reason)
+	m.mu.Unlock()
+	m.emit(drops...)
 }
 
 // convert filters env by namespace and runs the converter (ignored: its

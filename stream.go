@@ -51,7 +51,7 @@ func (m *Monitor) Subscribe(s Subscriber, filters ...string) {
 
 // Start reads the stream opened by Subscribe, as containerd's CRI monitor
 // does. The channel delivers the stream's error if it breaks (one wrapping
-// ErrStreamClosed if a converter or drop handler ends the reader's
+// ErrStreamClosed if user code, such as a converter, ends the reader's
 // goroutine with runtime.Goexit), ErrStopped after
 // Stop or Shutdown began, ErrNoConverter without WithConverter, or
 // ErrAlreadyRunning while a Run or another Start reads a stream; it is closed
@@ -83,25 +83,29 @@ func (m *Monitor) Start() <-chan error {
 		return errCh
 	}
 	go func() {
-		err := errReaderExited
-		defer func() { // deferred: a converter or drop handler may end the goroutine
-			sub.cancel()
-			m.setReader(noReader) // before reporting: whoever reads errCh may Run or Start at once
-			if err != nil && !m.intakeEnded() {
-				m.cfg.logger.WithError(err).Error("event stream failed")
-				errCh <- err
-			}
-			close(errCh)
-			m.watchers.Done()
-		}()
-		_, err = m.consume(m.intake, sub, nil)
+		defer m.watchers.Done()
+		defer close(errCh)
+		var err error
+		onGoexit(func() { _, err = m.consume(m.intake, sub, nil) },
+			func() { m.endStart(sub, errCh, errReaderExited) })
+		m.endStart(sub, errCh, err)
 	}()
 	return errCh
 }
 
+// endStart ends Start's reading of sub, reporting err unless intake ended.
+func (m *Monitor) endStart(sub *subscription, errCh chan<- error, err error) {
+	sub.cancel()
+	m.setReader(noReader) // before reporting: whoever reads errCh may Run or Start at once
+	if err != nil && !m.intakeEnded() {
+		errCh <- err // before the log line, whose hook may end the goroutine too
+		m.cfg.logger.WithError(err).Error("event stream failed")
+	}
+}
+
 // errReaderExited is what Start's channel reports if user code on its
-// reader's goroutine ended it (runtime.Goexit, as t.FailNow does).
-var errReaderExited = fmt.Errorf("%w: a converter or drop handler ended the stream reader (runtime.Goexit)", ErrStreamClosed)
+// reader's goroutine (a converter, drop handler, log hook) ended it.
+var errReaderExited = fmt.Errorf("%w: user code ended the stream reader (runtime.Goexit)", ErrStreamClosed)
 
 // beginReading takes the one stream reader's place, for a Run or Start.
 // mu is held.

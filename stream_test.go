@@ -844,3 +844,35 @@ func repeat(wg *sync.WaitGroup, quit <-chan struct{}, fn func()) {
 		}
 	}()
 }
+
+// A subscriber that closes errs as its ctx ends (containerd's does): at
+// Stop and at Shutdown Start's channel closes silently, whichever closed
+// channel the reader sees first; the reader's place is left free.
+func TestStartClosesSilentlyAtStopAndShutdown(t *testing.T) {
+	for _, how := range []string{"Stop", "Shutdown"} {
+		t.Run(how, func(t *testing.T) {
+			for round := range 30 {
+				h := newHarness(t, newRecorder(), WithConverter(testConverter))
+				h.m.Subscribe(SubscriberFunc(func(ctx context.Context, _ ...string) (<-chan *Envelope, <-chan error) {
+					ch, errs := make(chan *Envelope), make(chan error)
+					go func() {
+						<-ctx.Done()
+						close(errs)
+						close(ch)
+					}()
+					return ch, errs
+				}))
+				errCh := h.m.Start()
+				waitFor(t, readerIs(h.m, consuming), "Start's reader reads")
+				if how == "Stop" {
+					h.m.Stop()
+				} else {
+					require.NoError(t, h.m.Shutdown(context.Background()))
+				}
+				err, open := startResult(t, errCh)
+				require.False(t, open, "round %d: Start's channel said %v at %s", round, err, how)
+				require.True(t, readerIs(h.m, noReader)())
+			}
+		})
+	}
+}
