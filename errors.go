@@ -8,7 +8,7 @@ import (
 // User code runs under a guard, so that it cannot take a worker, a watcher
 // or the stream reader down:
 //   - the handler: invoke, where a panic fails the call;
-//   - the converter, resync hook, exit status and exit builder: catch,
+//   - the converter, resync hook, exit status and exit builder: guarded,
 //     which makes a panic their error;
 //   - the drop handler, Metrics and an ignored payload's GetTypeUrl:
 //     protect, which logs a panic;
@@ -56,7 +56,9 @@ func panicked(r any) (s string) {
 
 // onGoexit runs fn, which calls user code. If fn ends the goroutine
 // (runtime.Goexit), rest runs as it unwinds, to finish what fn left. A
-// panic goes on as it was, and rest does not run.
+// panic goes on as it was, and rest does not run: should a caller above
+// recover a panic raised after a Goexit began (Run's caller alone can:
+// elsewhere it ends the process), the goroutine ends without rest.
 func onGoexit(fn, rest func()) {
 	returned, panicking := false, false
 	defer func() {
@@ -82,12 +84,20 @@ func onGoexit(fn, rest func()) {
 	}
 }
 
-// catch, deferred, turns a panic in user code into *err: wrap, then the
-// panic's value.
-func catch(err *error, wrap error) {
-	if r := recover(); r != nil {
-		*err = fmt.Errorf("%w: %s", wrap, panicked(r))
-	}
+// guarded runs fn, which calls user code, and returns its error or, if it
+// panicked, one wrapping wrap and the panic's value. That fn did not return
+// tells a panic(nil) too, which recover returns as nil under
+// GODEBUG=panicnil=1.
+func guarded(wrap error, fn func() error) (err error) {
+	returned := false
+	defer func() {
+		if r := recover(); r != nil || !returned {
+			err = fmt.Errorf("%w: %s", wrap, panicked(r))
+		}
+	}()
+	err = fn()
+	returned = true
+	return err
 }
 
 // Sentinel errors. Every error the monitor returns or puts in a Drop wraps

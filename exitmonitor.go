@@ -46,8 +46,9 @@ func WatchExit[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh
 }
 
 // WatchExitResult is WatchExit with a builder that also sees why the status
-// could not be read: err is nil for a real status, otherwise Result's error or
-// ErrNoExitStatus (with code UnknownExitCode and exitedAt the clock's now).
+// could not be read: err is nil for a real status, otherwise Result's error,
+// one saying Result panicked, or ErrNoExitStatus (with code UnknownExitCode
+// and exitedAt the clock's now).
 func WatchExitResult[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh <-chan S,
 	event func(code uint32, exitedAt time.Time, err error) any) <-chan struct{} {
 	mustWatch(ctx, "WatchExitResult", m, exitCh == nil, event == nil)
@@ -114,20 +115,19 @@ var (
 // buildExit reads s and builds its event, turning a panic in either into
 // an error.
 func (m *Monitor) buildExit(key string, s ExitStatus, received bool, build func(uint32, time.Time, error) any) (event any, err error) {
-	code, at, err := uint32(UnknownExitCode), time.Time{}, error(ErrNoExitStatus)
+	code, at, status := uint32(UnknownExitCode), time.Time{}, error(ErrNoExitStatus)
 	if received {
-		func() {
-			defer catch(&err, errExitStatusPanic) // a nil status, for one
+		status = guarded(errExitStatusPanic, func() (err error) { // a nil status panics, for one
 			code, at, err = s.Result()
-			err = checked(err)
-		}()
+			return checked(err)
+		})
 	}
-	if err != nil {
-		m.cfg.logger.WithField("key", key).WithError(err).Warn("cannot read exit status; exit code unknown")
+	if status != nil {
+		m.cfg.logger.WithField("key", key).WithError(status).Warn("cannot read exit status; exit code unknown")
 		code, at = UnknownExitCode, m.cfg.clock.Now()
 	}
-	defer catch(&err, errExitBuilderPanic)
-	return build(code, at, err), nil
+	err = guarded(errExitBuilderPanic, func() error { event = build(code, at, status); return nil })
+	return event, err
 }
 
 // queueExit reads s (received: exitCh was not closed empty) and accepts

@@ -353,3 +353,73 @@ func TestWaitIdleWaitsForAnExitAWatcherReceived(t *testing.T) {
 	h.settled(t)
 	require.Equal(t, anys(exitEvent{"c1", 137, epoch}), r.handledList())
 }
+
+// An exit's status problems reach the builder: a status error
+// gives the builder UnknownExitCode, the clock's now and Result's error; a
+// channel closed empty gives ErrNoExitStatus; a panicking Result gives
+// errExitStatusPanic; a panicking builder drops the exit (ErrInvalidEvent,
+// the key, no events).
+func TestExitStatusProblemsReachTheBuilder(t *testing.T) {
+	type seen struct {
+		code uint32
+		at   time.Time
+		err  error
+	}
+	statusErr := errors.New("no status")
+	for _, tc := range []struct {
+		name    string
+		send    func(chan ExitStatus)
+		panics  bool
+		want    seen
+		wantErr error
+	}{
+		{"status error", func(ch chan ExitStatus) { ch <- fakeExit{code: 3, at: epoch, err: statusErr} }, false,
+			seen{UnknownExitCode, epoch.Add(time.Hour), statusErr}, statusErr},
+		{"closed empty", func(ch chan ExitStatus) { close(ch) }, false,
+			seen{UnknownExitCode, epoch.Add(time.Hour), ErrNoExitStatus}, ErrNoExitStatus},
+		{"Result panics", func(ch chan ExitStatus) { ch <- panickyStatus{} }, false,
+			seen{UnknownExitCode, epoch.Add(time.Hour), nil}, errExitStatusPanic},
+		{"real status", func(ch chan ExitStatus) { ch <- fakeExit{code: 3, at: epoch} }, false,
+			seen{3, epoch, nil}, nil},
+		{"builder panics", func(ch chan ExitStatus) { ch <- fakeExit{code: 3, at: epoch} }, true, seen{}, nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := newRecorder()
+			h := newHarness(t, r)
+			h.clock.SetTime(epoch.Add(time.Hour))
+			var got seen
+			exitCh := make(chan ExitStatus, 1)
+			tc.send(exitCh)
+			awaitClosed(t, WatchExitResult(context.Background(), h.m, "c1", exitCh, func(code uint32, at time.Time, err error) any {
+				got = seen{code, at, err}
+				if tc.panics {
+					panic("builder")
+				}
+				return exitEvent{"c1", code, at}
+			}), "the watcher")
+			h.settled(t)
+			s := h.m.Stats()
+			assertBalanced(t, s)
+			if tc.panics {
+				drops := h.drops.all()
+				require.Len(t, drops, 1)
+				assert.ErrorIs(t, drops[0].Reason, ErrInvalidEvent)
+				assert.Equal(t, "c1", drops[0].Key)
+				assert.Nil(t, drops[0].Events)
+				return
+			}
+			assert.Equal(t, tc.want.code, got.code)
+			assert.True(t, tc.want.at.Equal(got.at), "at %v", got.at)
+			if tc.wantErr == nil {
+				assert.NoError(t, got.err)
+			} else {
+				assert.ErrorIs(t, got.err, tc.wantErr)
+			}
+			assert.Equal(t, uint64(1), s.Handled)
+		})
+	}
+}
+
+type panickyStatus struct{}
+
+func (panickyStatus) Result() (uint32, time.Time, error) { panic("status") }

@@ -60,7 +60,9 @@ func slotCheck(m *Monitor) (bad func() string) {
 		m.mu.Lock()
 		held, keys := m.slotsHeld(), map[string]int{}
 		for _, c := range m.calls {
-			keys[c.key.Name()]++
+			if c.stage != settling { // settled: its key may have gone on while it reports
+				keys[c.key.Name()]++
+			}
 		}
 		m.mu.Unlock()
 		mu.Lock()
@@ -295,11 +297,7 @@ func TestGoexitInAReplaysFirstCallWithoutTimeout(t *testing.T) {
 	s = h.m.Stats()
 	assert.Equal(t, uint64(2), s.Handled)
 	assert.Zero(t, s.EventsInBackoff+s.InFlight+s.Queued)
-	h.m.mu.Lock()
-	assert.Zero(t, h.m.slotsHeld())
-	h.m.mu.Unlock()
-	assert.Empty(t, bad())
-	assertBalanced(t, s)
+	assertNoSlotLeft(t, h.m, bad, s)
 }
 
 // a handler that Goexits past its deadline (late),
@@ -340,12 +338,7 @@ func TestGoexitAfterTheDeadline(t *testing.T) {
 			assert.Equal(t, uint64(1), s.Failed)
 			assert.Equal(t, uint64(2), s.Handled)
 			assert.Equal(t, 1, s.EventsInBackoff)
-			h.m.mu.Lock()
-			assert.Zero(t, h.m.slotsHeld())
-			assert.Empty(t, h.m.calls)
-			h.m.mu.Unlock()
-			assert.Empty(t, bad())
-			assertBalanced(t, s)
+			assertNoSlotLeft(t, h.m, bad, s)
 		})
 	}
 }
@@ -385,18 +378,7 @@ func TestGoexitAfterStopAbandonedTheCall(t *testing.T) {
 // snapshot, and every event is eventually handled.
 func TestGoexitStormKeepsSlotsAndIdentity(t *testing.T) {
 	var x exclusive
-	var tries sync.Map
-	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
-		defer x.enter(keyOf(e))()
-		n, _ := tries.LoadOrStore(e, new(atomic.Int32))
-		switch n.(*atomic.Int32).Add(1) {
-		case 1:
-			runtime.Goexit()
-		case 2:
-			return errors.New("fails once more")
-		}
-		return nil
-	}), WithLogger(quietLogger()), WithWorkers(2))
+	h := newHarness(t, goexitThenFail(&x), WithLogger(quietLogger()), WithWorkers(2))
 	bad := slotCheck(h.m)
 	checked := checkWhileRunning(t, h.m, bad)
 	const keys, per = 8, 5
@@ -545,13 +527,8 @@ func TestNestedGoexitHandlerThenItsReport(t *testing.T) {
 			assert.Equal(t, uint64(1), s.Failed)
 			assert.Equal(t, uint64(1), s.Dropped)
 			assert.Equal(t, uint64(2), s.Handled, "b and c got the slot")
-			h.m.mu.Lock()
-			assert.Zero(t, h.m.slotsHeld())
-			assert.Empty(t, h.m.calls)
-			h.m.mu.Unlock()
-			assert.Empty(t, bad())
 			assert.False(t, x.twice.Load())
-			assertBalanced(t, s)
+			assertNoSlotLeft(t, h.m, bad, s)
 			require.NoError(t, h.m.Submit("a", ev{"a", 2}), "the key was not released")
 			h.settled(t)
 			assert.Equal(t, uint64(3), h.m.Stats().Handled)
@@ -684,11 +661,7 @@ func TestReportGoexitStormKeepsIdentity(t *testing.T) {
 	assert.Equal(t, uint64(keys*per/2), s.Handled)
 	assert.Equal(t, uint64(keys*per/2), s.Dropped)
 	assert.False(t, x.twice.Load())
-	assert.Empty(t, bad())
-	h.m.mu.Lock()
-	assert.Zero(t, h.m.slotsHeld())
-	h.m.mu.Unlock()
-	assertBalanced(t, s)
+	assertNoSlotLeft(t, h.m, bad, s)
 }
 
 // goexitEveryOtherSuccess Goexits in HandlerDone of every other successful
@@ -977,32 +950,6 @@ func TestPanicNilThroughAnExitsReadingIsNotTakenForAGoexit(t *testing.T) {
 	})
 }
 
-// Nested Goexit on Start's reader: the converter ends the goroutine, and
-// the drop handler that drops the envelope ends it again. The envelope is dropped
-// once, the drop handler called once, the channel reports errReaderExited
-// and closes, the reader's place is free, and Stop returns.
-func TestNestedGoexitConverterThenDropHandlerOnStart(t *testing.T) {
-	var dropCalls atomic.Int32
-	h := newHarness(t, newRecorder(), WithConverter(goexitConverter),
-		WithDropHandler(func(Drop) { dropCalls.Add(1); runtime.Goexit() }))
-	stream := newFakeStream()
-	h.m.Subscribe(stream)
-	errCh := h.m.Start()
-	sub := <-stream.newSub
-	sub.send(t, envelope(t, "ns", wrapperspb.String("exit")))
-	err, open := startResult(t, errCh)
-	require.True(t, open)
-	require.ErrorIs(t, err, errReaderExited)
-	_, open = startResult(t, errCh)
-	require.False(t, open)
-	require.True(t, readerIs(h.m, noReader)())
-	h.settled(t)
-	s := h.m.Stats()
-	assert.Equal(t, uint64(1), s.Dropped)
-	assert.Equal(t, int32(1), dropCalls.Load())
-	assertBalanced(t, s)
-}
-
 // Nested Goexit on an exit watcher: the builder ends the goroutine, and the
 // drop handler that drops the exit ends it again.
 func TestNestedGoexitBuilderThenDropHandler(t *testing.T) {
@@ -1025,8 +972,8 @@ func TestNestedGoexitBuilderThenDropHandler(t *testing.T) {
 }
 
 // Under GODEBUG=panicnil=1, panic(nil) in the converter and in the exit
-// builder is recovered by catch: counted once (dropped), not also dropped
-// as a Goexit, and the reader goes on reading.
+// builder is a panic: each is dropped once, saying so, not also dropped as
+// a Goexit, and the reader goes on reading.
 func TestPanicNilInTheConverterAndBuilderIsCountedOnce(t *testing.T) {
 	inPanicNilChild(t, "TestPanicNilInTheConverterAndBuilderIsCountedOnce", func(t *testing.T) (string, bool) {
 		conv := ConverterFunc(func(p typeurl.Any) (string, any, error) {
@@ -1055,46 +1002,14 @@ func TestPanicNilInTheConverterAndBuilderIsCountedOnce(t *testing.T) {
 			return fmt.Sprintf("Start's channel said %v", err), false
 		default:
 		}
-		return fmt.Sprintf("%+v drops=%d", s, len(h.drops.all())),
-			s.Received == 3 && s.Dropped == 2 && s.Handled == 1 && len(h.drops.all()) == 2 && accounted(s) == s.Received
-	})
-}
-
-// A Goexit storm on Start's reader: every "exit" envelope ends it; the
-// test re-subscribes and starts again. Every snapshot balances, the drop
-// handler sees exactly Dropped, and each reader's channel reports
-// errReaderExited once.
-func TestConverterGoexitStormOnStart(t *testing.T) {
-	var mu sync.Mutex
-	dropped := 0
-	r := newRecorder()
-	h := newHarness(t, r, WithConverter(goexitConverter), WithWorkers(2),
-		WithDropHandler(func(d Drop) { mu.Lock(); dropped++; mu.Unlock() }))
-	checked := checkWhileRunning(t, h.m, func() string { return "" })
-	const rounds = 40
-	for i := range rounds {
-		stream := newFakeStream()
-		h.m.Subscribe(stream)
-		errCh := h.m.Start()
-		sub := <-stream.newSub
-		for k := range 3 {
-			sub.send(t, envelope(t, "ns", wrapperspb.String(fmt.Sprintf("k%d-%d", i, k))))
+		drops := h.drops.all()
+		if len(drops) != 2 {
+			return fmt.Sprintf("%+v drops=%d", s, len(drops)), false
 		}
-		sub.send(t, envelope(t, "ns", wrapperspb.String("exit")))
-		err, open := startResult(t, errCh)
-		require.True(t, open, "round %d", i)
-		require.ErrorIs(t, err, errReaderExited, "round %d", i)
-		require.True(t, readerIs(h.m, noReader)(), "round %d", i)
-	}
-	h.settled(t)
-	checked()
-	s := h.m.Stats()
-	assert.Equal(t, uint64(rounds), s.Dropped)
-	assert.Equal(t, uint64(rounds*3), s.Handled)
-	mu.Lock()
-	assert.Equal(t, rounds, dropped)
-	mu.Unlock()
-	assertBalanced(t, s)
+		return fmt.Sprintf("%+v reasons %q, %q", s, drops[0].Reason, drops[1].Reason),
+			s.Received == 3 && s.Dropped == 2 && s.Handled == 1 && accounted(s) == s.Received &&
+				errors.Is(drops[0].Reason, errConverterPanic) && errors.Is(drops[1].Reason, errExitBuilderPanic)
+	})
 }
 
 // Goexit in the converter while Shutdown waits for the reader: Shutdown
@@ -1126,4 +1041,370 @@ func TestConverterGoexitDuringShutdown(t *testing.T) {
 	assert.Equal(t, uint64(1), s.Dropped)
 	assert.Len(t, h.drops.all(), 1)
 	assertBalanced(t, s)
+}
+
+// dropCountingMetrics counts drops, and ends the goroutine in Dropped
+// when exitOnDrop is set.
+type dropCountingMetrics struct {
+	exitOnDrop bool
+	dropped    atomic.Int32
+}
+
+func (*dropCountingMetrics) HandlerDone(time.Duration, error) {}
+func (*dropCountingMetrics) Recovered(time.Duration)          {}
+func (m *dropCountingMetrics) Dropped(error, int) {
+	m.dropped.Add(1)
+	if m.exitOnDrop {
+		runtime.Goexit()
+	}
+}
+
+// A Goexit in the cleanup's own user code on Start's reader: the converter
+// ends the goroutine, then the Metrics or drop handler that the envelope's
+// drop calls ends it again, or the log hook on the "event stream failed"
+// line does. The envelope is dropped once, Start's channel says
+// errReaderExited once and closes, the reader's place is free, Stop
+// returns.
+func TestNestedGoexitInStartsCleanup(t *testing.T) {
+	for _, where := range []string{"Metrics.Dropped", "drop handler", "stream failed line"} {
+		t.Run(where, func(t *testing.T) {
+			mt := &dropCountingMetrics{exitOnDrop: where == "Metrics.Dropped"}
+			opts := []Option{WithConverter(goexitConverter), WithMetrics(mt)}
+			var hook *endHook
+			var dropCalls atomic.Int32
+			switch where {
+			case "drop handler":
+				opts = append(opts, WithDropHandler(func(Drop) { dropCalls.Add(1); runtime.Goexit() }))
+			case "stream failed line":
+				var lg *log.Entry
+				lg, hook = endingLogger("event stream failed", runtime.Goexit)
+				opts = append(opts, WithLogger(lg))
+			}
+			h := newHarness(t, newRecorder(), opts...)
+			stream := newFakeStream()
+			h.m.Subscribe(stream)
+			errCh := h.m.Start()
+			sub := <-stream.newSub
+			sub.send(t, envelope(t, "ns", wrapperspb.String("exit")))
+			err, open := startResult(t, errCh)
+			require.True(t, open)
+			require.ErrorIs(t, err, errReaderExited)
+			_, open = startResult(t, errCh)
+			require.False(t, open, "closed after its one error")
+			waitFor(t, readerIs(h.m, noReader), "the reader's place was not freed")
+			<-sub.ctx.Done()
+			if hook != nil {
+				assert.True(t, hook.fired.Load())
+			}
+			h.settled(t)
+			s := h.m.Stats()
+			assert.Equal(t, uint64(1), s.Dropped)
+			assert.Equal(t, int32(1), mt.dropped.Load())
+			switch where {
+			case "Metrics.Dropped":
+				assert.Empty(t, h.drops.all(), "Metrics ended the goroutine before the drop handler (documented loss)")
+			case "drop handler":
+				assert.Equal(t, int32(1), dropCalls.Load())
+			default:
+				assert.Len(t, h.drops.all(), 1)
+			}
+			assertBalanced(t, s)
+			stopped := make(chan struct{})
+			go func() { h.m.Stop(); close(stopped) }()
+			awaitClosed(t, stopped, "Stop")
+		})
+	}
+}
+
+// A Goexit on Start's reader outside take's guard but inside consume (the
+// debug line for a first ignored type): the envelope was counted as
+// ignored, is not dropped as well, and Start reports errReaderExited.
+func TestGoexitAfterTheEnvelopeWasCountedDropsNothing(t *testing.T) {
+	lg, hook := endingLogger("ignoring events of a type", runtime.Goexit)
+	h := newHarness(t, newRecorder(), WithConverter(testConverter), WithLogger(lg))
+	stream := newFakeStream()
+	h.m.Subscribe(stream)
+	errCh := h.m.Start()
+	(<-stream.newSub).send(t, envelope(t, "ns", wrapperspb.Int64(7))) // registered, no key: ignored
+	err, open := startResult(t, errCh)
+	require.True(t, open)
+	require.ErrorIs(t, err, errReaderExited)
+	require.True(t, hook.fired.Load())
+	h.settled(t)
+	s := h.m.Stats()
+	assert.Equal(t, uint64(1), s.Ignored)
+	assert.Zero(t, s.Dropped)
+	assert.Empty(t, h.drops.all())
+	assertBalanced(t, s)
+}
+
+// Under GODEBUG=panicnil=1, an exit builder that panics with nil, on an
+// exit whose status could not be read, is a panicking builder: its exit
+// is dropped with a reason that wraps a sentinel, not with the status
+// error (which recover's nil once left as the reason).
+func TestPanicNilInTheExitBuilderIsADrop(t *testing.T) {
+	inPanicNilChild(t, "TestPanicNilInTheExitBuilderIsADrop", func(t *testing.T) (string, bool) {
+		h := newHarness(t, newRecorder(), WithLogger(quietLogger()))
+		exitCh := make(chan fakeExit)
+		close(exitCh)
+		awaitClosed(t, WatchExitResult(context.Background(), h.m, "c1", exitCh,
+			func(uint32, time.Time, error) any { panic(nil) }), "the watcher")
+		h.settled(t)
+		drops := h.drops.all()
+		if len(drops) != 1 {
+			return fmt.Sprintf("%d drops", len(drops)), false
+		}
+		r := drops[0].Reason
+		ok := errors.Is(r, ErrInvalidEvent) || errors.Is(r, ErrDecode) || errors.Is(r, ErrMaxAttempts) ||
+			errors.Is(r, ErrQueueFull) || errors.Is(r, ErrStopped)
+		return fmt.Sprintf("drop reason %q wraps a sentinel: %v", r, ok), ok
+	})
+}
+
+// Under GODEBUG=panicnil=1, an ExitStatus whose Result panics with nil
+// tells the builder that it panicked, not ErrNoExitStatus ("closed
+// without a status"): a status was received.
+func TestPanicNilInResultIsNotAnEmptyChannel(t *testing.T) {
+	inPanicNilChild(t, "TestPanicNilInResultIsNotAnEmptyChannel", func(t *testing.T) (string, bool) {
+		h := newHarness(t, newRecorder(), WithLogger(quietLogger()))
+		exitCh := make(chan ExitStatus, 1)
+		exitCh <- panicNilStatus{}
+		var got error
+		awaitClosed(t, WatchExitResult(context.Background(), h.m, "c1", exitCh,
+			func(_ uint32, at time.Time, err error) any { got = err; return exitEvent{"c1", 0, at} }), "the watcher")
+		h.settled(t)
+		return fmt.Sprintf("builder got %v", got), got != nil && !errors.Is(got, ErrNoExitStatus)
+	})
+}
+
+// A converter Goexit on Run's second subscription, while the resync hook
+// it started still runs: Run's place is free only once its hook returned,
+// so the next Run's hook never runs beside it.
+func TestGoexitInRunWaitsForItsResyncHook(t *testing.T) {
+	hookRelease, exiting := make(chan struct{}), make(chan struct{})
+	var running, most atomic.Int32
+	hooked := make(chan struct{}, 4)
+	hook := func(ctx context.Context) error {
+		n := running.Add(1)
+		defer running.Add(-1)
+		for m := most.Load(); n > m && !most.CompareAndSwap(m, n); m = most.Load() {
+		}
+		hooked <- struct{}{}
+		<-hookRelease // a relist that does not watch ctx
+		return nil
+	}
+	conv := ConverterFunc(func(p typeurl.Any) (string, any, error) {
+		key, event, err := testConverter.Convert(p)
+		if v, ok := event.(*wrapperspb.StringValue); ok && v.GetValue() == "exit" {
+			<-hooked // the hook this subscription started runs
+			close(exiting)
+			runtime.Goexit()
+		}
+		return key, event, err
+	})
+	clk := testclock.NewFakeClock(epoch)
+	m, err := New(newRecorder(), WithClock(clk), WithConverter(conv), WithResync(hook), WithLogger(quietLogger()))
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	ran1 := make(chan struct{})
+	var ran2 chan struct{}
+	t.Cleanup(func() {
+		cancel()
+		close(hookRelease)
+		awaitClosed(t, ran1, "the first Run")
+		if ran2 != nil {
+			awaitClosed(t, ran2, "the second Run")
+		}
+		m.Stop()
+	})
+	reconnect := func(stream *fakeStream) *fakeSub {
+		(<-stream.newSub).errs <- errors.New("broken")
+		waitFor(t, clk.HasWaiters, "Run never waited to re-subscribe")
+		clk.Step(time.Minute)
+		return <-stream.newSub
+	}
+	s1 := newFakeStream()
+	go func() { defer close(ran1); _ = m.Run(ctx, s1) }()
+	reconnect(s1).send(t, envelope(t, "ns", wrapperspb.String("exit")))
+	<-exiting
+	waitFor(t, func() bool {
+		return readerIs(m, noReader)() || goroutinesIn("(*Monitor).runOnce", "(*WaitGroup).Wait") > 0
+	}, "the ended Run neither freed its place nor waited for its hook")
+	if !readerIs(m, noReader)() {
+		return // the ended Run waits for its hook, holding its place
+	}
+	assert.Zero(t, running.Load(), "Run's place is free with its resync hook still running")
+	// What that allows: the next Run's hook runs beside the old one.
+	s2 := newFakeStream()
+	ran2 = make(chan struct{})
+	go func() { defer close(ran2); _ = m.Run(ctx, s2) }()
+	reconnect(s2).send(t, envelope(t, "ns", wrapperspb.String("c1"))) // established: its hook starts
+	select {
+	case <-hooked:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the second Run's hook never ran")
+	}
+	assert.LessOrEqual(t, most.Load(), int32(1), "two resync hooks ran at once")
+}
+
+// A replay's retry line whose log hook blocks past the call's deadline and
+// grace (its slot goes to a new worker), then Stop withdraws the call, then
+// the hook ends the goroutine: the new worker the guard starts finds the call
+// withdrawn and makes no handler call; the event is dropped once, Stop
+// returns, no slot is held twice.
+func TestRetryLineGoexitAfterStopWithdrewTheCall(t *testing.T) {
+	for _, stop := range []bool{true, false} {
+		t.Run(fmt.Sprintf("stop=%v", stop), func(t *testing.T) {
+			blocked, release := make(chan struct{}), make(chan struct{})
+			lg, _ := endingLogger("retrying backed-off events", func() {
+				close(blocked)
+				<-release
+				runtime.Goexit()
+			})
+			r := newRecorder()
+			r.fail(ev{"a", 1}, 1)
+			h := newHarness(t, r, WithLogger(lg), WithWorkers(1))
+			bad := slotCheck(h.m)
+			checked := checkWhileRunning(t, h.m, bad)
+			h.submit(t, ev{"a", 1})
+			h.settled(t)
+			h.clock.Step(DefaultInitialBackoff)
+			<-blocked
+			h.submit(t, ev{"b", 1})
+			h.clock.Step(DefaultHandleTimeout + 2*time.Second) // overran: the slot goes to b/1
+			waitFor(t, func() bool { return len(r.handledOf("b")) == 1 }, "b/1 never got the slot")
+			if stop {
+				stopped := make(chan struct{})
+				go func() { h.m.Stop(); close(stopped) }()
+				awaitClosed(t, stopped, "Stop")
+				close(release)
+				waitFor(t, func() bool { return goroutinesIn("eventmonitor.(*Monitor).work") == 0 }, "a worker was left")
+				checked()
+				s := h.m.Stats()
+				assert.Equal(t, 2, r.callCount(), "a/1's first call and b/1: the withdrawn retry is not made")
+				assert.Equal(t, uint64(1), s.Dropped)
+				reason, ok := dropReason(h, ev{"a", 1})
+				require.True(t, ok)
+				assert.ErrorIs(t, reason, ErrStopped)
+				assertBalanced(t, s)
+				return
+			}
+			close(release)
+			waitFor(t, func() bool { return len(r.handledOf("a")) == 1 }, "the retry was never made")
+			h.settled(t)
+			checked()
+			s := h.m.Stats()
+			assert.Equal(t, uint64(2), s.Handled)
+			assertNoSlotLeft(t, h.m, bad, s)
+		})
+	}
+}
+
+// A storm over every guarded site at once: Start's converter, the drop
+// handler and Metrics.Dropped on the reader, exit builders and Results,
+// handlers and their reports all Goexit at random; Stats snapshots balance
+// throughout, no slot is doubled, no key runs twice at once, every
+// reader's channel says errReaderExited once and closes, the drop
+// handler sees every drop Metrics saw, and Stop returns.
+func TestGoexitStormOverEverySite(t *testing.T) {
+	var x exclusive
+	var drops atomic.Int32
+	mt := &dropCountingMetrics{}
+	h := newHarness(t, goexitThenFail(&x), WithConverter(goexitConverter), WithWorkers(3), WithLogger(quietLogger()),
+		WithMetrics(mt), WithDropHandler(func(d Drop) {
+			if drops.Add(1)%2 == 0 && d.Key == "" {
+				runtime.Goexit() // on the reader, after the envelope's drop was counted
+			}
+		}))
+	bad := slotCheck(h.m) // with Metrics a settled call waits for its report beside the key's next
+	checked := checkWhileRunning(t, h.m, bad)
+	var watchers sync.WaitGroup
+	for round := range 20 {
+		stream := newFakeStream()
+		h.m.Subscribe(stream)
+		errCh := h.m.Start()
+		sub := <-stream.newSub
+		for k := range 3 {
+			sub.send(t, envelope(t, "ns", wrapperspb.String(fmt.Sprintf("s%d-%d", round, k))))
+			exitCh := make(chan ExitStatus, 1)
+			switch k {
+			case 0:
+				exitCh <- goexitStatus{}
+			default:
+				exitCh <- fakeExit{code: uint32(k), at: epoch}
+			}
+			key := fmt.Sprintf("x%d-%d", round, k)
+			watchers.Add(1)
+			done := WatchExit(context.Background(), h.m, key, exitCh, func(code uint32, at time.Time) any {
+				if code == 2 {
+					runtime.Goexit()
+				}
+				return ev{key, int(code)}
+			})
+			go func() { defer watchers.Done(); <-done }()
+			require.NoError(t, h.m.Submit(fmt.Sprintf("k%d", k), ev{fmt.Sprintf("k%d", k), round}))
+		}
+		sub.send(t, envelope(t, "ns", wrapperspb.String("exit")))
+		err, open := startResult(t, errCh)
+		require.True(t, open, "round %d", round)
+		require.ErrorIs(t, err, errReaderExited, "round %d", round)
+		_, open = startResult(t, errCh)
+		require.False(t, open, "round %d", round)
+	}
+	watchers.Wait()
+	for range 100 {
+		h.settled(t)
+		if _, ok := h.m.NextRetry(); !ok {
+			break
+		}
+		h.clock.Step(DefaultMaxBackoff)
+	}
+	checked()
+	s := h.m.Stats()
+	assertBalanced(t, s)
+	assert.Empty(t, bad())
+	assert.False(t, x.twice.Load())
+	assert.Zero(t, s.Queued+s.EventsInBackoff+s.InFlight, "%+v", s)
+	assert.Equal(t, uint64(20*3), s.Dropped, "each round's exit envelope, Result Goexit and builder Goexit: %+v", s)
+	assert.Equal(t, uint64(20*(3+1+3)), s.Handled, "stream envelopes, exits read, Submits: %+v", s)
+	assert.Equal(t, int32(s.Dropped), drops.Load(), "drop handler calls")
+	assert.Equal(t, int32(s.Dropped), mt.dropped.Load(), "Metrics.Dropped calls")
+	stopped := make(chan struct{})
+	go func() { h.m.Stop(); close(stopped) }()
+	awaitClosed(t, stopped, "Stop")
+}
+
+type panicNilStatus struct{}
+
+func (panicNilStatus) Result() (uint32, time.Time, error) { panic(nil) }
+
+// assertNoSlotLeft checks, once all settled, that no call or slot is
+// held, that slotCheck's bad saw nothing wrong, and that s balances.
+func assertNoSlotLeft(t *testing.T, m *Monitor, bad func() string, s Stats) {
+	t.Helper()
+	m.mu.Lock()
+	held, calls := m.slotsHeld(), len(m.calls)
+	m.mu.Unlock()
+	assert.Zero(t, held, "slots held")
+	assert.Zero(t, calls, "calls left")
+	assert.Empty(t, bad())
+	assertBalanced(t, s)
+}
+
+// goexitThenFail is a storm's handler: each event's first call ends its
+// goroutine, its second fails, its third succeeds; x sees a key on two
+// goroutines.
+func goexitThenFail(x *exclusive) Handler {
+	var tries sync.Map
+	return HandlerFunc(func(ctx context.Context, e any) error {
+		defer x.enter(keyOf(e))()
+		n, _ := tries.LoadOrStore(e, new(atomic.Int32))
+		switch n.(*atomic.Int32).Add(1) {
+		case 1:
+			runtime.Goexit()
+		case 2:
+			return errors.New("fails once more")
+		}
+		return nil
+	})
 }

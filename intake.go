@@ -60,14 +60,16 @@ func (m *Monitor) take(ctx context.Context, env *Envelope) {
 		it.origin = &origin{env.Topic, env.Namespace}
 	}
 	var key, url string
+	var event any
 	var ignored bool
 	var err error
 	onGoexit(func() {
-		key, it.event, ignored, err = m.convert(env)
+		key, event, ignored, err = m.convert(env)
 		if ignored { // the payload's code: not under mu, nor unguarded
 			m.protect("the payload's GetTypeUrl", "", func() { url = env.Event.GetTypeUrl() })
 		}
 	}, func() { m.dropTaken("", it, errConverterExited) })
+	it.event = event
 	m.mu.Lock()
 	var drops []Drop
 	firstIgnored := false
@@ -131,7 +133,6 @@ func (m *Monitor) dropTaken(key string, it item, reason error) {
 // or in errors.Is) into ErrInvalidEvent, and any other error that wraps
 // neither ErrDecode nor ErrInvalidEvent into ErrDecode.
 func (m *Monitor) convert(env *Envelope) (key string, event any, ignored bool, err error) {
-	defer catch(&err, errConverterPanic)
 	switch {
 	case env == nil:
 		return "", nil, false, fmt.Errorf("%w: nil envelope", ErrInvalidEvent)
@@ -140,14 +141,17 @@ func (m *Monitor) convert(env *Envelope) (key string, event any, ignored bool, e
 	case env.Event == nil:
 		return "", nil, false, fmt.Errorf("%w: nil payload", ErrInvalidEvent)
 	}
-	key, event, err = m.cfg.converter.Convert(env.Event)
-	err = checked(err)
-	ignored = errors.Is(err, ErrUnsupportedEvent)
-	switch {
-	case err == nil && event == nil:
-		err = fmt.Errorf("%w: converter returned a nil event", ErrInvalidEvent)
-	case err != nil && !ignored && !errors.Is(err, ErrDecode) && !errors.Is(err, ErrInvalidEvent):
-		err = fmt.Errorf("%w: %w", ErrDecode, err) // a Drop's reason wraps a sentinel
-	}
+	err = guarded(errConverterPanic, func() (err error) {
+		key, event, err = m.cfg.converter.Convert(env.Event)
+		err = checked(err)
+		ignored = errors.Is(err, ErrUnsupportedEvent)
+		switch {
+		case err == nil && event == nil:
+			err = fmt.Errorf("%w: converter returned a nil event", ErrInvalidEvent)
+		case err != nil && !ignored && !errors.Is(err, ErrDecode) && !errors.Is(err, ErrInvalidEvent):
+			err = fmt.Errorf("%w: %w", ErrDecode, err) // a Drop's reason wraps a sentinel
+		}
+		return err
+	})
 	return key, event, ignored, err
 }

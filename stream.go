@@ -196,10 +196,10 @@ func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) erro
 // WithResync), and waits for the hook.
 func (m *Monitor) runOnce(ctx context.Context, s Subscriber, filters []string, outage bool) (delivered bool, err error) {
 	subCtx, cancelSub := context.WithCancel(ctx)
-	defer cancelSub()
+	var resyncs sync.WaitGroup
+	defer func() { cancelSub(); resyncs.Wait() }() // deferred: user code may end the goroutine
 	ch, errs := s.Subscribe(subCtx, filters...)
 	var first chan struct{} // closed by consume at the first envelope
-	var resyncs sync.WaitGroup
 	if hook := m.cfg.resync; outage && hook != nil {
 		first = make(chan struct{})
 		unrefused := m.cfg.clock.NewTimer(m.cfg.resubInitial)
@@ -215,24 +215,16 @@ func (m *Monitor) runOnce(ctx context.Context, s Subscriber, filters []string, o
 			if subCtx.Err() != nil {
 				return // refused, or ended: nothing to relist against
 			}
-			if err := m.resync(subCtx, hook); err != nil && subCtx.Err() == nil {
+			err := guarded(errResyncPanic, func() error { return checked(hook(subCtx)) })
+			if err != nil && subCtx.Err() == nil {
 				m.cfg.logger.WithError(err).Warn("resync after re-subscription failed")
 			}
 		}()
 	}
-	delivered, err = m.consume(subCtx, &subscription{ch: ch, errs: errs, cancel: cancelSub}, first)
-	cancelSub()
-	resyncs.Wait()
-	return delivered, err
+	return m.consume(subCtx, &subscription{ch: ch, errs: errs, cancel: cancelSub}, first)
 }
 
 var errResyncPanic = errors.New("resync hook panicked")
-
-// resync runs the WithResync hook, turning a panic into an error.
-func (m *Monitor) resync(ctx context.Context, hook func(context.Context) error) (err error) {
-	defer catch(&err, errResyncPanic)
-	return checked(hook(ctx))
-}
 
 // consume reads sub until it breaks or ctx ends, reporting whether any
 // envelope arrived and the stream's error (ErrStreamClosed if it ended
