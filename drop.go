@@ -88,12 +88,9 @@ func (m *Monitor) emit(drops ...Drop) {
 // protect runs fn, calling a user's callback, recovering and logging a
 // panic so that it cannot take a worker, a watcher or the stream down.
 func (m *Monitor) protect(callback, key string, fn func()) {
-	defer func() {
-		if r := recover(); r != nil {
-			m.cfg.logger.WithField("key", key).Errorf("%s panicked: %s", callback, panicked(r))
-		}
-	}()
-	fn()
+	if r, ok := recovering(fn); !ok {
+		m.cfg.logger.WithField("key", key).Errorf("%s panicked: %s", callback, panicked(r))
+	}
 }
 
 func logDrop(l *log.Entry) func(Drop) {

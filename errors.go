@@ -14,6 +14,9 @@ import (
 //     protect, which logs a panic;
 //   - what they return: checked, for an error whose Error panics, and
 //     panicked, for a panic's value whose Error panics;
+//   - a panic(nil), which recover returns as nil under
+//     GODEBUG=panicnil=1: recovering, under all but invoke, and invoke
+//     tell it by fn not returning;
 //   - runtime.Goexit (t.FailNow in a test's callback), which no recover
 //     stops: onGoexit around a worker's retry line, handler call and
 //     report, so that the call still settles and its slot goes on;
@@ -30,35 +33,45 @@ import (
 // an error) an error saying so: the logger calls Error where no recover
 // waits. errors.Is runs the error's own methods too (*net.OpError's Unwrap
 // panics on nil): callers run it under a recover.
-func checked(err error) (safe error) {
-	defer func() {
-		if r := recover(); r != nil {
-			safe = fmt.Errorf("a %T whose Error panics: %s", err, panicked(r))
-		}
-	}()
-	if err != nil {
-		_ = err.Error()
+func checked(err error) error {
+	if err == nil {
+		return nil
+	}
+	if r, ok := recovering(func() { _ = err.Error() }); !ok {
+		return fmt.Errorf("a %T whose Error panics: %s", err, panicked(r))
 	}
 	return err
+}
+
+// recovering runs fn, which calls user code, and recovers a panic: ok is
+// whether fn returned, r the panic's value if not. That fn did not return
+// tells a panic(nil) too, which recover returns as nil under
+// GODEBUG=panicnil=1. A runtime.Goexit goes on through (see onGoexit).
+func recovering(fn func()) (r any, ok bool) {
+	func() {
+		defer func() { r = recover() }()
+		fn()
+		ok = true
+	}()
+	return r, ok
 }
 
 // panicked formats r, a recovered panic's value. The value is user code
 // too: one whose Error panics again would make fmt panic where no recover
 // waits.
 func panicked(r any) (s string) {
-	defer func() {
-		if recover() != nil {
-			s = fmt.Sprintf("a %T whose Error panics", r)
-		}
-	}()
-	return fmt.Sprint(r)
+	if _, ok := recovering(func() { s = fmt.Sprint(r) }); !ok {
+		s = fmt.Sprintf("a %T whose Error panics", r)
+	}
+	return s
 }
 
 // onGoexit runs fn, which calls user code. If fn ends the goroutine
 // (runtime.Goexit), rest runs as it unwinds, to finish what fn left. A
 // panic goes on as it was, and rest does not run: should a caller above
-// recover a panic raised after a Goexit began (Run's caller alone can:
-// elsewhere it ends the process), the goroutine ends without rest.
+// the guard recover a panic raised after a Goexit began (only Run's caller
+// can be one: elsewhere it ends the process), the goroutine ends without
+// rest.
 func onGoexit(fn, rest func()) {
 	returned, panicking := false, false
 	defer func() {
@@ -85,18 +98,11 @@ func onGoexit(fn, rest func()) {
 }
 
 // guarded runs fn, which calls user code, and returns its error or, if it
-// panicked, one wrapping wrap and the panic's value. That fn did not return
-// tells a panic(nil) too, which recover returns as nil under
-// GODEBUG=panicnil=1.
+// panicked, one wrapping wrap and the panic's value.
 func guarded(wrap error, fn func() error) (err error) {
-	returned := false
-	defer func() {
-		if r := recover(); r != nil || !returned {
-			err = fmt.Errorf("%w: %s", wrap, panicked(r))
-		}
-	}()
-	err = fn()
-	returned = true
+	if r, ok := recovering(func() { err = fn() }); !ok {
+		return fmt.Errorf("%w: %s", wrap, panicked(r))
+	}
 	return err
 }
 

@@ -1,0 +1,550 @@
+package eventmonitor
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"runtime"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/containerd/typeurl/v2"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+)
+
+// The guards around user code (errors.go): a panic, a panic(nil) under
+// GODEBUG=panicnil=1 and runtime.Goexit, in what user code returns (an
+// error whose methods panic) as in the code itself, through convert,
+// buildExit and Run's resync hook.
+
+// nilPanickingErr is an error whose Error panics with nil: under
+// GODEBUG=panicnil=1, recover returns nil for it.
+type nilPanickingErr struct{}
+
+func (nilPanickingErr) Error() string { panic(nil) }
+
+// ptrErr, as a typed nil, is an error whose Error panics (nil deref).
+type ptrErr struct{ msg string }
+
+func (e *ptrErr) Error() string { return e.msg }
+
+// unwrapPanics panics in Unwrap, with nil if nilPanic.
+type unwrapPanics struct{ nilPanic bool }
+
+func (unwrapPanics) Error() string { return "unwrap panics" }
+func (e unwrapPanics) Unwrap() error {
+	if e.nilPanic {
+		panic(nil)
+	}
+	panic("unwrap")
+}
+
+// isPanics answers Is(ErrUnsupportedEvent) with unsupported and panics
+// for any other target (with nil if nilPanic); with unsupported its Unwrap
+// panics too, which errors.Is must never reach.
+type isPanics struct{ unsupported, nilPanic bool }
+
+func (isPanics) Error() string { return "is panics" }
+func (e isPanics) Is(target error) bool {
+	if target == ErrUnsupportedEvent {
+		return e.unsupported
+	}
+	if e.nilPanic {
+		panic(nil)
+	}
+	panic("is")
+}
+func (e isPanics) Unwrap() error {
+	if e.unsupported {
+		panic("unwrap after Is said unsupported")
+	}
+	return nil
+}
+
+// assertDropsAccounted checks the Stats identity and that every drop was handed
+// to the drop handler once (each drop here is of one input).
+func assertDropsAccounted(t *testing.T, h *harness) Stats {
+	t.Helper()
+	s := h.m.Stats()
+	assertBalanced(t, s)
+	n := 0
+	for _, d := range h.drops.all() {
+		n += max(1, len(d.Events))
+	}
+	assert.Equal(t, s.Dropped, uint64(n), "drop handler saw %d, Stats %+v", n, s)
+	return s
+}
+
+// wrapsADropSentinel reports whether reason wraps one of the Drop sentinels.
+func wrapsADropSentinel(reason error) bool {
+	for _, s := range []error{ErrDecode, ErrInvalidEvent, ErrMaxAttempts, ErrQueueFull, ErrStopped} {
+		if errors.Is(reason, s) {
+			return true
+		}
+	}
+	return false
+}
+
+// takeOne starts h's reader on a fake stream and sends it one envelope
+// for "c1", waiting until it was counted and the monitor is idle.
+func takeOne(t *testing.T, h *harness) {
+	t.Helper()
+	stream := newFakeStream()
+	h.m.Subscribe(stream)
+	h.m.Start()
+	sub := <-stream.newSub
+	sub.send(t, envelope(t, "ns", wrapperspb.String("c1")))
+	waitFor(t, func() bool { return h.m.Stats().Received == 1 }, "the envelope was never counted")
+	h.settled(t)
+}
+
+// ---- guarded and runtime.Goexit -------------------------------------------
+
+// guarded on its own: fn that Goexits ends the goroutine (guarded does not
+// return, whatever its deferred func set), also when a defer in fn panics
+// after the Goexit began and guarded's recover takes that panic: the
+// runtime resumes the Goexit.
+func TestGuardedDoesNotReturnFromAGoexit(t *testing.T) {
+	for _, late := range []bool{false, true} {
+		t.Run(fmt.Sprintf("latePanic=%v", late), func(t *testing.T) {
+			done := make(chan string, 1)
+			go func() {
+				outcome := "goroutine ended; guarded never returned"
+				defer func() { done <- outcome }()
+				err := guarded(errConverterPanic, func() error {
+					if late {
+						defer func() { panic("late") }()
+					}
+					runtime.Goexit()
+					return nil
+				})
+				outcome = fmt.Sprintf("guarded returned %v", err)
+			}()
+			select {
+			case got := <-done:
+				assert.Equal(t, "goroutine ended; guarded never returned", got)
+			case <-time.After(10 * time.Second):
+				t.Fatal("the goroutine never ended")
+			}
+		})
+	}
+}
+
+// The same through the monitor: a converter, Result or builder that
+// Goexits, with or without a defer panicking after the Goexit began (which
+// guarded recovers, below onGoexit), is dropped once with the Goexit's
+// reason, not also with a panic's; Start reports its reader ended.
+func TestGoexitUnderGuardedIsDroppedOnce(t *testing.T) {
+	goexit := func(late bool) {
+		if late {
+			defer func() { panic("late") }()
+		}
+		runtime.Goexit()
+	}
+	for _, late := range []bool{false, true} {
+		t.Run(fmt.Sprintf("converter/latePanic=%v", late), func(t *testing.T) {
+			conv := ConverterFunc(func(typeurl.Any) (string, any, error) { goexit(late); return "", nil, nil })
+			h := newHarness(t, newRecorder(), WithConverter(conv), WithLogger(quietLogger()))
+			stream := newFakeStream()
+			h.m.Subscribe(stream)
+			errCh := h.m.Start()
+			(<-stream.newSub).send(t, envelope(t, "ns", wrapperspb.String("c1")))
+			err, open := startResult(t, errCh)
+			require.True(t, open)
+			assert.ErrorIs(t, err, errReaderExited)
+			assertOneDrop(t, h, errConverterExited, errConverterPanic)
+		})
+		for _, site := range []string{"Result", "builder"} {
+			t.Run(fmt.Sprintf("%s/latePanic=%v", site, late), func(t *testing.T) {
+				h := newHarness(t, newRecorder(), WithLogger(quietLogger()))
+				exitCh := make(chan ExitStatus, 1)
+				if site == "Result" {
+					exitCh <- lateGoexitStatus{late}
+				} else {
+					exitCh <- fakeExit{code: 1, at: epoch}
+				}
+				awaitClosed(t, WatchExitResult(context.Background(), h.m, "c1", exitCh, func(uint32, time.Time, error) any {
+					goexit(late)
+					return nil
+				}), "the watcher")
+				s := assertOneDrop(t, h, errExitExited, errExitBuilderPanic)
+				assert.Zero(t, s.Handled)
+			})
+		}
+	}
+}
+
+type lateGoexitStatus struct{ late bool }
+
+func (s lateGoexitStatus) Result() (uint32, time.Time, error) {
+	if s.late {
+		defer func() { panic("late") }()
+	}
+	runtime.Goexit()
+	return 0, time.Time{}, nil
+}
+
+// ---- convert ---------------------------------------------------------------
+
+// Every converter outcome is ignored (ErrUnsupportedEvent), accepted, or
+// a drop whose reason wraps a sentinel; a panic in the error's own methods
+// (errors.Is) is never taken for ignored.
+func TestConvertReasons(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		event   bool
+		err     error
+		ignored bool
+		want    error // the drop's sentinel; nil: handled or ignored
+	}{
+		{"plain error", true, errors.New("bad"), false, ErrDecode},
+		{"nil event", false, nil, false, ErrInvalidEvent},
+		{"typed nil whose Error panics", true, (*ptrErr)(nil), false, ErrDecode},
+		{"Unwrap panics", true, unwrapPanics{}, false, errConverterPanic},
+		{"Is panics after not unsupported", true, isPanics{}, false, errConverterPanic},
+		{"Is says unsupported", false, isPanics{unsupported: true}, true, nil},
+		{"wraps ErrInvalidEvent", true, fmt.Errorf("x: %w", ErrInvalidEvent), false, ErrInvalidEvent},
+		{"unsupported", false, fmt.Errorf("x: %w", ErrUnsupportedEvent), true, nil},
+		{"ok", true, nil, false, nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			conv := ConverterFunc(func(p typeurl.Any) (string, any, error) {
+				var event any
+				if tc.event {
+					event = ev{"c1", 1}
+				}
+				return "c1", event, tc.err
+			})
+			r := newRecorder()
+			h := newHarness(t, r, WithConverter(conv), WithLogger(quietLogger()))
+			takeOne(t, h)
+			s := assertDropsAccounted(t, h)
+			drops := h.drops.all()
+			switch {
+			case tc.ignored:
+				assert.Equal(t, uint64(1), s.Ignored, "%+v", s)
+				assert.Empty(t, drops)
+			case tc.want == nil:
+				assert.Equal(t, uint64(1), s.Handled, "%+v", s)
+				assert.Empty(t, drops)
+			default:
+				require.Len(t, drops, 1, "%+v", s)
+				assert.ErrorIs(t, drops[0].Reason, tc.want)
+				assert.True(t, wrapsADropSentinel(drops[0].Reason), "%v", drops[0].Reason)
+				assert.Zero(t, s.Ignored)
+				assert.Zero(t, s.Handled)
+			}
+		})
+	}
+}
+
+// Under GODEBUG=panicnil=1, an Unwrap or Is that panics with nil in
+// errors.Is is still a converter panic: a drop wrapping ErrInvalidEvent,
+// not ignored, not handled.
+func TestPanicNilInErrorsIsIsAConverterPanic(t *testing.T) {
+	inPanicNilChild(t, "TestPanicNilInErrorsIsIsAConverterPanic", false, func(t *testing.T) (string, bool) {
+		var out string
+		ok := true
+		for _, err := range []error{unwrapPanics{nilPanic: true}, isPanics{nilPanic: true}} {
+			conv := ConverterFunc(func(typeurl.Any) (string, any, error) { return "c1", ev{"c1", 1}, err })
+			h := newHarness(t, newRecorder(), WithConverter(conv), WithLogger(quietLogger()))
+			takeOne(t, h)
+			s := h.m.Stats()
+			drops := h.drops.all()
+			good := len(drops) == 1 && errors.Is(drops[0].Reason, errConverterPanic) &&
+				s.Ignored == 0 && s.Handled == 0 && accounted(s) == s.Received
+			ok = ok && good
+			out += fmt.Sprintf("[%T: %+v drops=%d] ", err, s, len(drops))
+			h.m.Stop()
+		}
+		return out, ok
+	})
+}
+
+// ---- checked under panicnil: errors whose Error panics with nil -----------
+
+// Under GODEBUG=panicnil=1 a handler error whose Error panics with nil
+// fails the call, as it does without panicnil: checked tells the nil panic
+// by Error not returning.
+func TestPanicNilErrorFromAHandlerIsAFailure(t *testing.T) {
+	inPanicNilChild(t, "TestPanicNilErrorFromAHandlerIsAFailure", false, func(t *testing.T) (string, bool) {
+		var calls atomic.Int32
+		h := newHarness(t, HandlerFunc(func(context.Context, any) error {
+			if calls.Add(1) == 1 {
+				return nilPanickingErr{}
+			}
+			return nil
+		}), WithLogger(quietLogger()))
+		h.submit(t, ev{"a", 1})
+		h.settled(t)
+		s := h.m.Stats()
+		return fmt.Sprintf("%+v inBackoff=%v", s, h.m.InBackoff("a")),
+			s.Failed == 1 && s.Handled == 0 && h.m.InBackoff("a")
+	})
+}
+
+// The same error from the converter: the envelope is dropped with
+// ErrDecode, not accepted and handled.
+func TestPanicNilErrorFromTheConverterIsADrop(t *testing.T) {
+	inPanicNilChild(t, "TestPanicNilErrorFromTheConverterIsADrop", false, func(t *testing.T) (string, bool) {
+		conv := ConverterFunc(func(typeurl.Any) (string, any, error) { return "c1", ev{"c1", 1}, nilPanickingErr{} })
+		h := newHarness(t, newRecorder(), WithConverter(conv), WithLogger(quietLogger()))
+		takeOne(t, h)
+		s := h.m.Stats()
+		drops := h.drops.all()
+		return fmt.Sprintf("%+v drops=%d", s, len(drops)),
+			len(drops) == 1 && errors.Is(drops[0].Reason, ErrDecode) && s.Handled == 0
+	})
+}
+
+// The same error from ExitStatus.Result: the builder is told
+// UnknownExitCode, the clock's now and an error, not that the status was
+// real.
+func TestPanicNilErrorFromResultReachesTheBuilder(t *testing.T) {
+	inPanicNilChild(t, "TestPanicNilErrorFromResultReachesTheBuilder", false, func(t *testing.T) (string, bool) {
+		h := newHarness(t, newRecorder(), WithLogger(quietLogger()))
+		h.clock.SetTime(epoch.Add(time.Hour))
+		code, at, got := builderSees(t, h, fakeExit{code: 3, at: epoch, err: nilPanickingErr{}})
+		return fmt.Sprintf("builder got (%d, %v, %v)", code, at, got),
+			code == UnknownExitCode && at.Equal(epoch.Add(time.Hour)) && got != nil
+	})
+}
+
+// The same error sent on a subscription's errs: Start's channel reports
+// an error, not closing silently as it does only at Stop and Shutdown.
+func TestPanicNilStreamErrorIsReportedByStart(t *testing.T) {
+	inPanicNilChild(t, "TestPanicNilStreamErrorIsReportedByStart", false, func(t *testing.T) (string, bool) {
+		h := newHarness(t, newRecorder(), WithConverter(testConverter), WithLogger(quietLogger()))
+		stream := newFakeStream()
+		h.m.Subscribe(stream)
+		errCh := h.m.Start()
+		(<-stream.newSub).errs <- nilPanickingErr{}
+		err, open := startResult(t, errCh)
+		return fmt.Sprintf("open=%v err=%v stopping=%v", open, err != nil, h.stopping()), open && err != nil
+	})
+}
+
+// ---- buildExit --------------------------------------------------------------
+
+// What WatchExitResult's builder sees, beside TestExitStatusProblemsReachTheBuilder:
+// a typed nil error whose Error panics becomes an error (UnknownExitCode,
+// now), a panicking Result too.
+func TestExitBuilderSees(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		s    ExitStatus
+		code uint32
+		now  bool
+		err  error // nil: none; errAny: any
+	}{
+		{"real", fakeExit{code: 3, at: epoch}, 3, false, nil},
+		{"typed nil error", fakeExit{code: 3, at: epoch, err: (*ptrErr)(nil)}, UnknownExitCode, true, errAnyError},
+		{"Result panics", panickyStatus{}, UnknownExitCode, true, errExitStatusPanic},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newHarness(t, newRecorder(), WithLogger(quietLogger()))
+			h.clock.SetTime(epoch.Add(time.Hour))
+			code, at, got := builderSees(t, h, tc.s)
+			s := assertDropsAccounted(t, h)
+			assert.Equal(t, uint64(1), s.Handled)
+			assert.Equal(t, tc.code, code)
+			if tc.now {
+				assert.True(t, at.Equal(epoch.Add(time.Hour)), "%v", at)
+			} else {
+				assert.True(t, at.Equal(epoch), "%v", at)
+			}
+			switch tc.err {
+			case nil:
+				assert.NoError(t, got)
+			case errAnyError:
+				require.Error(t, got)
+				assert.NotPanics(t, func() { _ = got.Error() })
+			default:
+				assert.ErrorIs(t, got, tc.err)
+			}
+		})
+	}
+}
+
+var errAnyError = errors.New("any error")
+
+// Under panicnil a Result that panics with nil gives the builder
+// UnknownExitCode and an error saying it panicked, not ErrNoExitStatus
+// ("closed without a status"): a status was received.
+func TestPanicNilResultGivesUnknownCode(t *testing.T) {
+	inPanicNilChild(t, "TestPanicNilResultGivesUnknownCode", false, func(t *testing.T) (string, bool) {
+		h := newHarness(t, newRecorder(), WithLogger(quietLogger()))
+		code, _, got := builderSees(t, h, panicNilStatus{})
+		return fmt.Sprintf("(%d, %v)", code, got), code == UnknownExitCode && errors.Is(got, errExitStatusPanic)
+	})
+}
+
+// ---- runOnce and the resync hook --------------------------------------------
+
+// runThroughAnOutage runs Run on a fresh stream, breaks its first subscription and
+// delivers one envelope on the second, so the resync hook starts.
+func runThroughAnOutage(t *testing.T, h *harness, ctx context.Context) (runErr <-chan error) {
+	t.Helper()
+	stream := newFakeStream()
+	ch := make(chan error, 1)
+	go func() { ch <- h.m.Run(ctx, stream) }()
+	(<-stream.newSub).errs <- errors.New("broken")
+	waitFor(t, h.clock.HasWaiters, "Run never waited to re-subscribe")
+	h.clock.Step(time.Second)
+	(<-stream.newSub).send(t, envelope(t, "ns", wrapperspb.String("c1")))
+	return ch
+}
+
+func runResult(t *testing.T, ch <-chan error) error {
+	t.Helper()
+	select {
+	case err := <-ch:
+		return err
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run never returned")
+		return nil
+	}
+}
+
+// A resync hook that calls Shutdown or Stop (which end Run's reading) does
+// not deadlock with runOnce's deferred wait for it; Run returns ErrStopped,
+// no fake-clock timer is left, and (harness cleanup) no goroutine.
+func TestResyncHookStopsTheMonitor(t *testing.T) {
+	for _, how := range []string{"Shutdown", "Stop"} {
+		t.Run(how, func(t *testing.T) {
+			var h *harness
+			hookErr := make(chan error, 1)
+			h = newHarness(t, newRecorder(), WithConverter(testConverter), WithLogger(quietLogger()),
+				WithResubscribe(time.Second, time.Second),
+				WithResync(func(ctx context.Context) error {
+					var err error
+					if how == "Shutdown" {
+						err = h.m.Shutdown(context.Background())
+					} else {
+						h.m.Stop()
+					}
+					hookErr <- err
+					return err
+				}))
+			runErr := runThroughAnOutage(t, h, context.Background())
+			require.ErrorIs(t, runResult(t, runErr), ErrStopped)
+			assert.NoError(t, <-hookErr)
+			assert.False(t, h.clock.HasWaiters(), "a fake-clock timer outlived Run")
+			assertDropsAccounted(t, h)
+		})
+	}
+}
+
+// A resync hook that ends its goroutine, panics, or blocks until its ctx
+// ends is the hook's own: Run goes on reading and returns once ctx ends.
+func TestResyncHookGoexitAndPanic(t *testing.T) {
+	for _, how := range []string{"goexit", "goexit+late panic", "panic", "blocks until ctx ends"} {
+		t.Run(how, func(t *testing.T) {
+			ran := make(chan struct{})
+			r := newRecorder()
+			h := newHarness(t, r, WithConverter(testConverter), WithLogger(quietLogger()),
+				WithResubscribe(time.Second, time.Second),
+				WithResync(func(ctx context.Context) error {
+					close(ran)
+					switch how {
+					case "goexit+late panic":
+						defer func() { panic("late") }()
+						runtime.Goexit()
+					case "goexit":
+						runtime.Goexit()
+					case "blocks until ctx ends":
+						<-ctx.Done()
+						return ctx.Err()
+					}
+					panic("hook")
+				}))
+			ctx, cancel := context.WithCancel(context.Background())
+			runErr := runThroughAnOutage(t, h, ctx)
+			awaitClosed(t, ran, "the hook")
+			waitFor(t, func() bool { return len(r.handledList()) == 1 }, "the envelope was never handled")
+			cancel()
+			require.NoError(t, runResult(t, runErr))
+			h.settled(t) // the call's deadline is a scheduler timer until it settles
+			assert.False(t, h.clock.HasWaiters())
+			assertDropsAccounted(t, h)
+		})
+	}
+}
+
+// A resync hook that ignores its ctx holds Run past ctx's end, as
+// WithResync says: Run waits for it.
+func TestRunWaitsForAHookIgnoringItsCtx(t *testing.T) {
+	started, release := make(chan struct{}), make(chan struct{})
+	h := newHarness(t, newRecorder(), WithConverter(testConverter), WithLogger(quietLogger()),
+		WithResubscribe(time.Second, time.Second),
+		WithResync(func(context.Context) error { close(started); <-release; return nil }))
+	ctx, cancel := context.WithCancel(context.Background())
+	runErr := runThroughAnOutage(t, h, ctx)
+	awaitClosed(t, started, "the hook")
+	cancel()
+	waitFor(t, func() bool { return goroutinesIn("(*Monitor).runOnce", "(*WaitGroup).Wait") == 1 },
+		"Run did not wait for its hook")
+	select {
+	case err := <-runErr:
+		t.Fatalf("Run returned %v with its hook still running", err)
+	default:
+	}
+	close(release)
+	require.NoError(t, runResult(t, runErr))
+	h.settled(t) // the call's deadline is a scheduler timer until it settles
+	assert.False(t, h.clock.HasWaiters())
+}
+
+// Under panicnil a resync hook that panics with nil is logged as a failed
+// resync, and Run goes on.
+func TestPanicNilResyncHookIsLogged(t *testing.T) {
+	inPanicNilChild(t, "TestPanicNilResyncHookIsLogged", false, func(t *testing.T) (string, bool) {
+		r := newRecorder()
+		h := newHarness(t, r, WithConverter(testConverter), WithResubscribe(time.Second, time.Second),
+			WithResync(func(context.Context) error { panic(nil) }))
+		ctx, cancel := context.WithCancel(context.Background())
+		runErr := runThroughAnOutage(t, h, ctx)
+		waitFor(t, func() bool {
+			for _, e := range h.logs.AllEntries() {
+				if e.Message == "resync after re-subscription failed" && errors.Is(e.Data["error"].(error), errResyncPanic) {
+					return true
+				}
+			}
+			return false
+		}, "no warning")
+		cancel()
+		err := runResult(t, runErr)
+		return fmt.Sprintf("Run: %v", err), err == nil
+	})
+}
+
+// builderSees hands status to WatchExitResult for key "c1" and returns
+// what its builder was given, once the exit was handled.
+func builderSees(t *testing.T, h *harness, status ExitStatus) (code uint32, at time.Time, err error) {
+	t.Helper()
+	exitCh := make(chan ExitStatus, 1)
+	exitCh <- status
+	awaitClosed(t, WatchExitResult(context.Background(), h.m, "c1", exitCh, func(c uint32, a time.Time, e error) any {
+		code, at, err = c, a, e
+		return exitEvent{"c1", c, a}
+	}), "the watcher")
+	h.settled(t)
+	return code, at, err
+}
+
+// assertOneDrop checks, once settled, that the one input taken in was
+// dropped once, for want and not for notWant, and returns the Stats.
+func assertOneDrop(t *testing.T, h *harness, want, notWant error) Stats {
+	t.Helper()
+	h.settled(t)
+	s := assertDropsAccounted(t, h)
+	drops := h.drops.all()
+	require.Len(t, drops, 1, "%+v", s)
+	assert.ErrorIs(t, drops[0].Reason, want)
+	assert.NotErrorIs(t, drops[0].Reason, notWant)
+	assert.Equal(t, uint64(1), s.Received)
+	return s
+}
