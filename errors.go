@@ -46,7 +46,9 @@ func checked(err error) error {
 // recovering runs fn, which calls user code, and recovers a panic: ok is
 // whether fn returned, r the panic's value if not. That fn did not return
 // tells a panic(nil) too, which recover returns as nil under
-// GODEBUG=panicnil=1. A runtime.Goexit goes on through (see onGoexit).
+// GODEBUG=panicnil=1. A runtime.Goexit goes on through, even if a panic
+// raised after it began is recovered here: recovering never returns from
+// one (see onGoexit).
 func recovering(fn func()) (r any, ok bool) {
 	func() {
 		defer func() { r = recover() }()
@@ -56,12 +58,25 @@ func recovering(fn func()) (r any, ok bool) {
 	return r, ok
 }
 
-// panicked formats r, a recovered panic's value. The value is user code
-// too: one whose Error panics again would make fmt panic where no recover
-// waits.
+// panicked formats r, a recovered panic's value. Its Error or String is
+// user code too, called here first, not by fmt: fmt prints nothing for one
+// that panics with nil under panicnil, and panics itself for one whose
+// panic's value panics too. Where fmt can, it then says what the panic was.
 func panicked(r any) (s string) {
-	if _, ok := recovering(func() { s = fmt.Sprint(r) }); !ok {
-		s = fmt.Sprintf("a %T whose Error panics", r)
+	format := func() { s = fmt.Sprint(r) }
+	switch v := r.(type) {
+	case error:
+		format = func() { s = v.Error() }
+	case fmt.Stringer:
+		format = func() { s = v.String() }
+	}
+	if _, ok := recovering(format); ok {
+		return s
+	}
+	s = fmt.Sprintf("a %T whose Error or String panics", r)
+	var printed string
+	if _, ok := recovering(func() { printed = fmt.Sprint(r) }); ok && printed != "" {
+		s += ": " + printed
 	}
 	return s
 }

@@ -911,9 +911,14 @@ func TestAPanicThroughAnExitsReadingIsNotTakenForAGoexit(t *testing.T) {
 		exitCh := make(chan fakeExit, 1)
 		exitCh <- fakeExit{err: errors.New("no status")}
 		WatchExit(context.Background(), m, "c1", exitCh, exitOf("c1"))
+		waitFor(t, func() bool { // once in hand, the exit stays so until the child crashes
+			m.mu.Lock()
+			defer m.mu.Unlock()
+			return m.accepting > 0 || m.stats.Received > 0
+		}, "the exit was never taken")
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
-		_ = m.WaitIdle(ctx) // the exit is in hand until the child crashes
+		_ = m.WaitIdle(ctx)
 		return
 	}
 	cmd := exec.Command(os.Args[0], "-test.run=^TestAPanicThroughAnExitsReadingIsNotTakenForAGoexit$", "-test.count=1")

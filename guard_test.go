@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -547,4 +548,421 @@ func assertOneDrop(t *testing.T, h *harness, want, notWant error) Stats {
 	assert.NotErrorIs(t, drops[0].Reason, notWant)
 	assert.Equal(t, uint64(1), s.Received)
 	return s
+}
+
+// goexitErr is an error whose Error ends the goroutine (t.FailNow in a
+// test's error type), after which, if late, a deferred func panics.
+type goexitErr struct{ late bool }
+
+func (e goexitErr) Error() string {
+	if e.late {
+		defer func() { panic("late") }()
+	}
+	runtime.Goexit()
+	return "unreachable"
+}
+
+// panicErr is an error whose Error panics with v.
+type panicErr struct{ v any }
+
+func (e panicErr) Error() string { panic(e.v) }
+
+// endedWithoutReturning runs f on a goroutine of its own and reports whether that
+// goroutine ended without f returning.
+func endedWithoutReturning(t *testing.T, f func() string) (ended bool, got string) {
+	t.Helper()
+	done := make(chan string, 1)
+	go func() {
+		outcome := "\x00ended"
+		defer func() { done <- outcome }()
+		outcome = f()
+	}()
+	select {
+	case got = <-done:
+		return got == "\x00ended", got
+	case <-time.After(10 * time.Second):
+		t.Fatal("the goroutine never ended")
+		return false, ""
+	}
+}
+
+// A Goexit in recovering's fn, in an error's Error under checked, in a
+// panic value's Error under panicked and guarded, with or without a panic
+// raised after it began: nothing after recovering runs.
+func TestRecoveringNeverReturnsFromAGoexit(t *testing.T) {
+	for _, late := range []bool{false, true} {
+		cases := map[string]func() string{
+			"recovering": func() string {
+				r, ok := recovering(func() { _ = goexitErr{late}.Error() })
+				return fmt.Sprintf("recovering returned (%v, %v)", r, ok)
+			},
+			"checked": func() string { return fmt.Sprintf("checked returned %v", checked(goexitErr{late})) },
+			"panicked": func() string {
+				return "panicked returned " + panicked(goexitErr{late})
+			},
+			"guarded's panic value": func() string {
+				err := guarded(errConverterPanic, func() error { panic(goexitErr{late}) })
+				return fmt.Sprintf("guarded returned %v", err)
+			},
+			"guarded's checked error": func() string {
+				err := guarded(errConverterPanic, func() error { return checked(goexitErr{late}) })
+				return fmt.Sprintf("guarded returned %v", err)
+			},
+		}
+		for name, f := range cases {
+			t.Run(fmt.Sprintf("%s/late=%v", name, late), func(t *testing.T) {
+				ended, got := endedWithoutReturning(t, f)
+				assert.True(t, ended, "%s", got)
+			})
+		}
+	}
+}
+
+// protect whose fn Goexits, directly or through a panic value whose Error
+// Goexits: the goroutine ends and no "panicked" line is logged.
+func TestProtectGoexitLogsNothing(t *testing.T) {
+	for name, fn := range map[string]func(){
+		"Goexit":                   runtime.Goexit,
+		"Goexit, late panic":       func() { _ = goexitErr{true}.Error() },
+		"panic value Goexits":      func() { panic(goexitErr{}) },
+		"panic value Goexits late": func() { panic(goexitErr{true}) },
+	} {
+		t.Run(name, func(t *testing.T) {
+			h := newHarness(t, newRecorder())
+			ended, got := endedWithoutReturning(t, func() string {
+				h.m.protect("drop handler", "k", fn)
+				return "protect returned"
+			})
+			assert.True(t, ended, "%s", got)
+			assert.Zero(t, loggedLines(h, "drop handler panicked"))
+		})
+	}
+}
+
+// loggedLines counts h's log lines that begin with prefix.
+func loggedLines(h *harness, prefix string) int {
+	n := 0
+	for _, e := range h.logs.AllEntries() {
+		if strings.HasPrefix(e.Message, prefix) {
+			n++
+		}
+	}
+	return n
+}
+
+// A panic in a panic value's Error, once, twice and three times nested:
+// panicked does not crash and says something.
+func TestPanickedNested(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		v    any
+		want string
+	}{
+		{"once", panicErr{"boom"}, "boom"},
+		{"twice", panicErr{panicErr{"inner"}}, "panicErr"},
+		{"thrice", panicErr{panicErr{panicErr{"innermost"}}}, "panicErr"},
+		{"typed nil", (*ptrErr)(nil), "nil"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var s string
+			require.NotPanics(t, func() { s = panicked(tc.v) })
+			assert.Contains(t, s, tc.want)
+			var err error
+			require.NotPanics(t, func() { err = checked(tc.v.(error)) })
+			require.Error(t, err)
+			require.NotPanics(t, func() { s = err.Error() })
+			assert.NotEmpty(t, s)
+		})
+	}
+}
+
+// Under GODEBUG=panicnil=1 a panic value whose Error panics with nil is
+// still described: fmt's own recover (catchPanic) would take the nil panic
+// for none and print nothing, so panicked calls Error itself, and the
+// drop handler's panic line names the value.
+func TestPanickedNilUnderPanicNil(t *testing.T) {
+	inPanicNilChild(t, "TestPanickedNilUnderPanicNil", false, func(t *testing.T) (string, bool) {
+		var bad []string
+		for name, v := range map[string]any{
+			"Error panics nil":                  nilPanickingErr{},
+			"Error panics a value that does so": panicErr{nilPanickingErr{}},
+		} {
+			s := panicked(v)
+			if strings.TrimSpace(s) == "" || s == "%!v(PANIC=Error method: )" {
+				bad = append(bad, fmt.Sprintf("panicked(%s)=%q", name, s))
+			}
+		}
+		// Through the monitor: a drop handler panicking with such a value.
+		h := newHarness(t, HandlerFunc(func(context.Context, any) error { return errors.New("fails") }),
+			WithMaxAttempts(1), WithDropHandler(func(Drop) { panic(nilPanickingErr{}) }))
+		h.submit(t, ev{"a", 1})
+		h.settled(t)
+		for _, e := range h.logs.AllEntries() {
+			if strings.HasPrefix(e.Message, "drop handler panicked") && strings.HasSuffix(e.Message, ": ") {
+				bad = append(bad, fmt.Sprintf("logged %q", e.Message))
+			}
+		}
+		return strings.Join(bad, "; "), len(bad) == 0
+	})
+}
+
+// panicNilMetrics counts Dropped calls, and panics with nil in the first
+// if panicFirst.
+type panicNilMetrics struct {
+	dropped    atomic.Int32
+	panicFirst bool
+}
+
+func (*panicNilMetrics) HandlerDone(time.Duration, error) {}
+func (*panicNilMetrics) Recovered(time.Duration)          {}
+func (m *panicNilMetrics) Dropped(error, int) {
+	if m.dropped.Add(1) == 1 && m.panicFirst {
+		panic(nil)
+	}
+}
+
+// Under panicnil, a drop handler and Metrics.Dropped that panic(nil) are
+// each logged once, and every later drop is still handed over: from a
+// worker's report, and from Stop's emit loop.
+func TestProtectPanicNilLogsOnceAndGoesOn(t *testing.T) {
+	inPanicNilChild(t, "TestProtectPanicNilLogsOnceAndGoesOn", false, func(t *testing.T) (string, bool) {
+		var states []string
+		ok := true
+		for _, atStop := range []bool{false, true} {
+			calls := atomic.Int32{}
+			mt := &panicNilMetrics{panicFirst: true}
+			opts := []Option{WithMaxAttempts(1), WithWorkers(1), WithMetrics(mt),
+				WithDropHandler(func(Drop) {
+					if calls.Add(1) == 1 {
+						panic(nil)
+					}
+				})}
+			if atStop {
+				opts = append(opts, WithDeferredStart())
+			}
+			h := newHarness(t, HandlerFunc(func(context.Context, any) error { return errors.New("fails") }), opts...)
+			h.submit(t, ev{"a", 1}, ev{"b", 1}, ev{"c", 1})
+			if atStop {
+				h.m.Stop()
+			} else {
+				h.settled(t)
+			}
+			s := h.m.Stats()
+			dh, ml := loggedLines(h, "drop handler panicked"), loggedLines(h, "Metrics panicked")
+			good := s.Dropped == 3 && calls.Load() == 3 && mt.dropped.Load() == 3 && dh == 1 && ml == 1 &&
+				s.Received == accounted(s)
+			ok = ok && good
+			states = append(states, fmt.Sprintf("atStop=%v %+v dropHandler=%d metrics=%d lines=%d/%d",
+				atStop, s, calls.Load(), mt.dropped.Load(), dh, ml))
+		}
+		return strings.Join(states, "; "), ok
+	})
+}
+
+// A drop handler or Metrics.Dropped that panics with a value whose Error
+// ends the goroutine ends the worker as a Goexit would: the call settles
+// once, its key and slot go on, no "panicked" line is logged, and Stats
+// balances. (Metrics ending the goroutine loses that drop's hand-over, as
+// documented.)
+func TestReportPanicValueGoexits(t *testing.T) {
+	for _, where := range []string{"drop handler", "Metrics"} {
+		for _, late := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/late=%v", where, late), func(t *testing.T) {
+				var x exclusive
+				calls := atomic.Int32{}
+				opts := []Option{WithWorkers(1), WithMaxAttempts(1), WithDropHandler(func(d Drop) {
+					calls.Add(1)
+					if where == "drop handler" && d.Key == "a" && calls.Load() == 1 {
+						panic(goexitErr{late})
+					}
+				})}
+				if where == "Metrics" {
+					opts = append(opts, WithMetrics(goexitInDroppedMetrics{late}))
+				}
+				h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+					defer x.enter(keyOf(e))()
+					if e == (ev{"a", 1}) {
+						return errors.New("fails")
+					}
+					return nil
+				}), opts...)
+				bad := slotCheck(h.m)
+				h.submit(t, ev{"a", 1}, ev{"b", 1}, ev{"c", 1})
+				h.settled(t)
+				s := h.m.Stats()
+				assert.Equal(t, uint64(1), s.Failed)
+				assert.Equal(t, uint64(1), s.Dropped)
+				assert.Equal(t, uint64(2), s.Handled)
+				want := int32(1)
+				if where == "Metrics" {
+					want = 0 // the goroutine ended before the drop handler: documented loss
+				}
+				assert.Equal(t, want, calls.Load())
+				assert.Zero(t, loggedLines(h, where+" panicked"))
+				assert.False(t, x.twice.Load())
+				assertNoSlotLeft(t, h.m, bad, s)
+				require.NoError(t, h.m.Submit("a", ev{"a", 2}), "the key was not released")
+				h.settled(t)
+				assert.Equal(t, uint64(3), h.m.Stats().Handled)
+				assertBalanced(t, h.m.Stats())
+			})
+		}
+	}
+}
+
+// goexitInDroppedMetrics panics in Dropped with a value whose Error Goexits.
+type goexitInDroppedMetrics struct{ late bool }
+
+func (goexitInDroppedMetrics) HandlerDone(time.Duration, error) {}
+func (goexitInDroppedMetrics) Recovered(time.Duration)          {}
+func (m goexitInDroppedMetrics) Dropped(error, int)             { panic(goexitErr{m.late}) }
+
+// A handler whose error's Error Goexits (checked in invoke) fails once, as
+// a Goexit in the handler does; the slot goes on.
+func TestHandlerErrorGoexits(t *testing.T) {
+	for _, late := range []bool{false, true} {
+		t.Run(fmt.Sprintf("late=%v", late), func(t *testing.T) {
+			h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+				if e == (ev{"a", 1}) {
+					return goexitErr{late}
+				}
+				return nil
+			}), WithWorkers(1))
+			bad := slotCheck(h.m)
+			h.submit(t, ev{"a", 1}, ev{"b", 1})
+			h.settled(t)
+			s := h.m.Stats()
+			assert.Equal(t, uint64(1), s.Failed)
+			assert.Equal(t, uint64(1), s.Handled)
+			assert.True(t, h.m.InBackoff("a"))
+			assert.Equal(t, 1, loggedLines(h, "event handler panicked"), "invoke's own line, once")
+			assert.Empty(t, bad())
+			assertBalanced(t, s)
+		})
+	}
+}
+
+// A converter whose error's Error Goexits (checked), or that panics with a
+// value whose Error Goexits (panicked in guarded); a stream error whose
+// Error Goexits (checked in consume): the envelope, if taken, is dropped
+// once as a Goexit, and Start reports its reader ended.
+func TestStartsReaderGoexits(t *testing.T) {
+	for _, late := range []bool{false, true} {
+		for _, how := range []string{"converter error", "converter panic value", "stream error"} {
+			t.Run(fmt.Sprintf("%s/late=%v", how, late), func(t *testing.T) {
+				conv := ConverterFunc(func(typeurl.Any) (string, any, error) {
+					if how == "converter panic value" {
+						panic(goexitErr{late})
+					}
+					return "c1", ev{"c1", 1}, goexitErr{late}
+				})
+				h := newHarness(t, newRecorder(), WithConverter(conv))
+				stream := newFakeStream()
+				h.m.Subscribe(stream)
+				errCh := h.m.Start()
+				sub := <-stream.newSub
+				if how == "stream error" {
+					sub.errs <- goexitErr{late}
+				} else {
+					sub.send(t, envelope(t, "ns", wrapperspb.String("c1")))
+				}
+				err, open := startResult(t, errCh)
+				require.True(t, open)
+				assert.ErrorIs(t, err, errReaderExited)
+				if how == "stream error" {
+					h.settled(t)
+					s := assertDropsAccounted(t, h)
+					assert.Zero(t, s.Received)
+				} else {
+					assertOneDrop(t, h, errConverterExited, errConverterPanic)
+				}
+				assert.Zero(t, loggedLines(h, "converter panicked"))
+			})
+		}
+	}
+}
+
+// An exit status whose error's Error Goexits, or a builder panicking with
+// a value whose Error Goexits: the exit is dropped once as a Goexit.
+func TestExitReadingGoexits(t *testing.T) {
+	for _, late := range []bool{false, true} {
+		for _, how := range []string{"Result's error", "builder's panic value"} {
+			t.Run(fmt.Sprintf("%s/late=%v", how, late), func(t *testing.T) {
+				h := newHarness(t, newRecorder())
+				exitCh := make(chan ExitStatus, 1)
+				if how == "Result's error" {
+					exitCh <- fakeExit{code: 1, at: epoch, err: goexitErr{late}}
+				} else {
+					exitCh <- fakeExit{code: 1, at: epoch}
+				}
+				awaitClosed(t, WatchExitResult(context.Background(), h.m, "c1", exitCh, func(uint32, time.Time, error) any {
+					if how != "Result's error" {
+						panic(goexitErr{late})
+					}
+					return exitEvent{"c1", 1, epoch}
+				}), "the watcher")
+				s := assertOneDrop(t, h, errExitExited, errExitBuilderPanic)
+				assert.Zero(t, s.Handled)
+			})
+		}
+	}
+}
+
+// Under panicnil, a handler that panics with a value whose Error panics
+// with nil, and a converter that does: settled once, Stats balance.
+func TestPanicNilInsideAPanicValue(t *testing.T) {
+	inPanicNilChild(t, "TestPanicNilInsideAPanicValue", false, func(t *testing.T) (string, bool) {
+		h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+			if e == (ev{"a", 1}) {
+				panic(panicErr{nil})
+			}
+			return nil
+		}), WithWorkers(1), WithConverter(ConverterFunc(func(typeurl.Any) (string, any, error) {
+			panic(panicErr{nil})
+		})))
+		h.submit(t, ev{"a", 1}, ev{"b", 1})
+		h.settled(t)
+		takeOneMore := func() {
+			stream := newFakeStream()
+			h.m.Subscribe(stream)
+			h.m.Start()
+			(<-stream.newSub).send(t, envelope(t, "ns", wrapperspb.String("c1")))
+			waitFor(t, func() bool { return h.m.Stats().Received == 3 }, "the envelope was never counted")
+			h.settled(t)
+		}
+		takeOneMore()
+		s := h.m.Stats()
+		drops := h.drops.all()
+		return fmt.Sprintf("%+v drops=%d", s, len(drops)),
+			s.Failed == 1 && s.Handled == 1 && s.Dropped == 1 && len(drops) == 1 &&
+				errors.Is(drops[0].Reason, errConverterPanic) && s.Received == accounted(s)
+	})
+}
+
+// Under panicnil, a Goexit whose late defer panics with nil (recovered as
+// nil, as in a Goexit): recovering, checked and protect still never return.
+func TestLatePanicNilAfterGoexit(t *testing.T) {
+	inPanicNilChild(t, "TestLatePanicNilAfterGoexit", false, func(t *testing.T) (string, bool) {
+		h := newHarness(t, newRecorder())
+		exit := func() {
+			defer func() { panic(nil) }()
+			runtime.Goexit()
+		}
+		var bad []string
+		for name, f := range map[string]func() string{
+			"recovering": func() string { r, ok := recovering(exit); return fmt.Sprint("returned ", r, ok) },
+			"guarded": func() string {
+				return fmt.Sprint("returned ", guarded(errConverterPanic, func() error { exit(); return nil }))
+			},
+			"protect": func() string { h.m.protect("drop handler", "k", exit); return "returned" },
+		} {
+			if ended, got := endedWithoutReturning(t, f); !ended {
+				bad = append(bad, name+" "+got)
+			}
+		}
+		if n := loggedLines(h, "drop handler panicked"); n != 0 {
+			bad = append(bad, fmt.Sprintf("%d panicked lines", n))
+		}
+		return strings.Join(bad, "; "), len(bad) == 0
+	})
 }
