@@ -399,17 +399,6 @@ func runThroughAnOutage(t *testing.T, h *harness, ctx context.Context) (runErr <
 	return ch
 }
 
-func runResult(t *testing.T, ch <-chan error) error {
-	t.Helper()
-	select {
-	case err := <-ch:
-		return err
-	case <-time.After(10 * time.Second):
-		t.Fatal("Run never returned")
-		return nil
-	}
-}
-
 // A resync hook that calls Shutdown or Stop (which end Run's reading) does
 // not deadlock with runOnce's deferred wait for it; Run returns ErrStopped,
 // no fake-clock timer is left, and (harness cleanup) no goroutine.
@@ -431,7 +420,7 @@ func TestResyncHookStopsTheMonitor(t *testing.T) {
 					return err
 				}))
 			runErr := runThroughAnOutage(t, h, context.Background())
-			require.ErrorIs(t, runResult(t, runErr), ErrStopped)
+			require.ErrorIs(t, awaitErr(t, runErr), ErrStopped)
 			assert.NoError(t, <-hookErr)
 			assert.False(t, h.clock.HasWaiters(), "a fake-clock timer outlived Run")
 			assertDropsAccounted(t, h)
@@ -467,7 +456,7 @@ func TestResyncHookGoexitAndPanic(t *testing.T) {
 			awaitClosed(t, ran, "the hook")
 			waitFor(t, func() bool { return len(r.handledList()) == 1 }, "the envelope was never handled")
 			cancel()
-			require.NoError(t, runResult(t, runErr))
+			require.NoError(t, awaitErr(t, runErr))
 			h.settled(t) // the call's deadline is a scheduler timer until it settles
 			assert.False(t, h.clock.HasWaiters())
 			assertDropsAccounted(t, h)
@@ -494,7 +483,7 @@ func TestRunWaitsForAHookIgnoringItsCtx(t *testing.T) {
 	default:
 	}
 	close(release)
-	require.NoError(t, runResult(t, runErr))
+	require.NoError(t, awaitErr(t, runErr))
 	h.settled(t) // the call's deadline is a scheduler timer until it settles
 	assert.False(t, h.clock.HasWaiters())
 }
@@ -509,15 +498,11 @@ func TestPanicNilResyncHookIsLogged(t *testing.T) {
 		ctx, cancel := context.WithCancel(context.Background())
 		runErr := runThroughAnOutage(t, h, ctx)
 		waitFor(t, func() bool {
-			for _, e := range h.logs.AllEntries() {
-				if e.Message == "resync after re-subscription failed" && errors.Is(e.Data["error"].(error), errResyncPanic) {
-					return true
-				}
-			}
-			return false
+			lines := h.entries("resync after re-subscription failed")
+			return len(lines) > 0 && errors.Is(lines[0].Data["error"].(error), errResyncPanic)
 		}, "no warning")
 		cancel()
-		err := runResult(t, runErr)
+		err := awaitErr(t, runErr)
 		return fmt.Sprintf("Run: %v", err), err == nil
 	})
 }

@@ -545,14 +545,15 @@ func shutdownBegun(t *testing.T, h *harness, ctx context.Context) <-chan error {
 	return shut
 }
 
-// awaitErr returns what shut delivers, failing the test if it takes 10 s.
-func awaitErr(t *testing.T, shut <-chan error) error {
+// awaitErr returns what ch (a Shutdown's or Run's result) delivers,
+// failing the test if it takes 10 s.
+func awaitErr(t *testing.T, ch <-chan error) error {
 	t.Helper()
 	select {
-	case err := <-shut:
+	case err := <-ch:
 		return err
 	case <-time.After(10 * time.Second):
-		t.Fatal("Shutdown hung")
+		t.Fatal("no result within 10 s: Shutdown or Run hung")
 		return nil
 	}
 }
