@@ -196,7 +196,7 @@ func (m *Monitor) finish(c *call, ignored bool, err error) (next *call) {
 	out := m.settle(c, err, ignored, end)
 	if overran || out.failed != nil || m.cfg.metrics != nil {
 		c.stage = settling // WaitIdle and Stop wait for the report
-		m.changed()
+		m.reconcile()
 		m.mu.Unlock() // the report runs user code: logger, Metrics, drop handler
 		onGoexit(func() { m.report(c, err, end, out, overran) }, func() {
 			m.mu.Lock()
@@ -222,7 +222,7 @@ func (m *Monitor) release(c *call, keyHeld bool) (next *call) {
 		next = m.takeReady() // before c leaves: its slot passes on, not back
 	}
 	m.calls = slices.DeleteFunc(m.calls, func(x *call) bool { return x == c })
-	m.changed()
+	m.reconcile()
 	return next
 }
 

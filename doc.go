@@ -19,19 +19,20 @@
 //     replays when due, doubling its delay after every replay that fails on
 //     that event, up to a cap, and resetting once the replay gets past it.
 //     Due times sit in a heap behind one clock timer: no periodic scan, no
-//     idle cost, no lateness.
-//   - Nothing vanishes: every accepted event is handled, is still queued
-//     (Stats, Pending), was returned by Forget, or reaches the drop handler
-//     with a reason. Stop and Shutdown hand over what is left, and return
+//     idle cost, and a replay starts when its timer fires, not at a tick.
+//   - Nothing vanishes: every accepted event is handled or ignored, is still
+//     queued (Stats, Pending), was returned by Forget, or reaches the drop
+//     handler with a reason. Stop and Shutdown hand over what is left, and return
 //     about one handle timeout after the drain whatever handlers do.
 //   - Clock-driven: every delay, deadline and timestamp comes from the
 //     configured clock, so tests with a fake clock control retries exactly.
 //
-// Where each guarantee lives: the order, the phases and the backoff rules in
-// internal/keyq; one goroutine per key in keyq's Running phase, which only a
-// call's start and end change (call.go); the accounting in Stats, derived
-// from keyq and the calls in progress; the timing in scheduler.go; stopping in
-// stop.go.
+// Where each guarantee lives: the order, the phases, the turns (a key with
+// events left goes to the back of the run queue after each call) and the
+// backoff rules in internal/keyq; one goroutine per key in keyq's Running
+// phase, which only a call's start and end change (call.go); the accounting
+// in Stats, whose identity every counter and gauge takes part in (stats.go);
+// the timing in scheduler.go; stopping in stop.go.
 //
 // The entry points mirror containerd's CRI event monitor (Subscribe, Start,
 // Stop, Backoff) so it can be swapped in, and add Run (re-subscription with

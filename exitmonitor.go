@@ -157,7 +157,7 @@ func (m *Monitor) queueExit(key string, s ExitStatus, received bool, build func(
 			c = m.startCall(k, it, false, noSlot)
 		}
 	}
-	m.changed()
+	m.reconcile()
 	m.mu.Unlock()
 	m.emit(drops...)
 	return c

@@ -114,7 +114,7 @@ func (m *Monitor) inHand() {
 func (m *Monitor) outOfHand() {
 	m.mu.Lock()
 	m.accepting--
-	m.changed()
+	m.reconcile()
 	m.mu.Unlock()
 }
 

@@ -41,7 +41,7 @@ func (m *Monitor) intakeEnded() bool { return m.intake.Err() != nil }
 // Stop or Shutdown.
 //
 // mu guards the fields from cond to abandonedDrops; every change that can
-// start work or unblock a waiter ends in changed, which also wakes all who
+// start work or unblock a waiter ends in reconcile, which also wakes all who
 // wait on cond.
 type Monitor struct {
 	cfg     config
@@ -145,11 +145,12 @@ func New(h Handler, opts ...Option) (*Monitor, error) {
 	return m, nil
 }
 
-// changed follows every change: backoff queues replay when due (a draining
-// monitor's all at once), stuck calls' slots go to new workers, workers
-// start for ready keys while slots are free, the scheduler follows, waiters
-// wake. mu is held.
-func (m *Monitor) changed() {
+// reconcile follows every change and restores what must hold between
+// changes: no backoff queue is past due (a draining monitor's replay at
+// once), no stuck call holds a slot another worker could have, no slot is
+// free while a key is ready, the timer is set for what is due next, and
+// whoever waits on cond has looked again. mu is held.
+func (m *Monitor) reconcile() {
 	for k := m.keys.Earliest(); k != nil && m.replays(k); k = m.keys.Earliest() {
 		m.keys.Replay(k)
 		m.stats.Retried++
@@ -188,7 +189,7 @@ func (m *Monitor) Submit(key string, event any) error {
 	if _, err := m.accept(key, item{event: event}, submitted); err != nil {
 		return err
 	}
-	m.changed()
+	m.reconcile()
 	return nil
 }
 
@@ -202,7 +203,7 @@ func (m *Monitor) Backoff(key string, event any) {
 	if _, err := m.accept(key, item{event: event}, backedOff); err != nil {
 		drops = m.refuse(key, item{event: event}, err)
 	}
-	m.changed()
+	m.reconcile()
 	m.mu.Unlock()
 	m.emit(drops...)
 }
@@ -263,6 +264,6 @@ func (m *Monitor) Forget(key string) []any {
 		events = append(events, it.event)
 	}
 	m.stats.Forgotten += uint64(len(events))
-	m.changed()
+	m.reconcile()
 	return events
 }

@@ -8,9 +8,9 @@ import (
 	"k8s.io/utils/clock"
 )
 
-// The scheduler wakes when a backoff queue is due (changed replays it) and
+// The scheduler wakes when a backoff queue is due (reconcile replays it) and
 // ends calls at their deadline. Whoever changes what is due sets its one
-// timer, under mu, for the earliest of the two (retime, from changed); one
+// timer, under mu, for the earliest of the two (retime, from reconcile); one
 // goroutine, started with the first thing to time and ended by Stop, waits
 // on it. An idle monitor holds no timer.
 
@@ -122,7 +122,7 @@ func (m *Monitor) poke() {
 	}
 }
 
-// schedule is the scheduler's goroutine: a pass (changed replays what is
+// schedule is the scheduler's goroutine: a pass (reconcile replays what is
 // due) each time the timer fires or it is poked, until Stop left nothing
 // to time.
 func (m *Monitor) schedule(fired <-chan time.Time) {
@@ -136,9 +136,9 @@ func (m *Monitor) schedule(fired <-chan time.Time) {
 		now := m.cfg.clock.Now()
 		stuck := m.expire(now)
 		if m.sched.overdue(now) { // only then: a poke leaves a correct timer be
-			m.sched.stop() // changed sets it afresh
+			m.sched.stop() // reconcile sets it afresh
 		}
-		m.changed()
+		m.reconcile()
 		more = m.state != stopped || len(m.calls) > 0
 		m.mu.Unlock()
 		for _, o := range stuck {

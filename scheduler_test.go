@@ -125,7 +125,7 @@ func (c *countingClock) Now() time.Time { c.nows.Add(1); return c.FakeClock.Now(
 var _ clock.WithTicker = (*countingClock)(nil)
 
 // WaitIdle pokes the scheduler only when the timer is overdue. It once
-// poked on every turn of its loop, and every pass ends in changed, whose
+// poked on every turn of its loop, and every pass ends in reconcile, whose
 // Broadcast woke WaitIdle, which poked again: two goroutines ping-ponged on
 // mu for as long as a call ran.
 func TestWaitIdleDoesNotSpinWhileACallRuns(t *testing.T) {

@@ -67,7 +67,7 @@ func (m *Monitor) beginStop(cutsDrain bool) {
 		}
 		c.cancel(context.Canceled)
 	}
-	m.changed()
+	m.reconcile()
 }
 
 // abandon gives up, at Stop, on the calls in the given stages whose
@@ -88,7 +88,7 @@ func (m *Monitor) abandon(why string, stages ...stage) (gaveUp int) {
 		return true
 	})
 	if gaveUp = before - len(m.calls); gaveUp > 0 {
-		m.changed() // not otherwise: two Stops waiting would wake each other for ever
+		m.reconcile() // not otherwise: two Stops waiting would wake each other for ever
 	}
 	return gaveUp
 }
@@ -109,7 +109,7 @@ func (m *Monitor) finishStop() {
 	for _, name := range names {
 		drops = append(drops, m.drop(name, ErrStopped, m.keys.Forget(name)...)...)
 	}
-	m.changed()
+	m.reconcile()
 	m.poke() // the scheduler leaves: nothing is left to time
 	m.mu.Unlock()
 	m.watchers.Wait()
@@ -152,7 +152,7 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	}
 	if m.state.accepts() && ctx.Err() == nil { // ctx ended: no drain to start, stop at once
 		m.state = draining
-		m.changed()
+		m.reconcile()
 	}
 	for m.state == draining && ctx.Err() == nil && m.drainable() {
 		m.cond.Wait()
@@ -235,6 +235,6 @@ func (m *Monitor) drainable() bool {
 func (m *Monitor) releaseHold() {
 	if m.state == held {
 		m.state = running
-		m.changed()
+		m.reconcile()
 	}
 }

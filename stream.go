@@ -127,7 +127,7 @@ func (m *Monitor) beginReading() error {
 func (m *Monitor) setReader(r reader) {
 	m.mu.Lock()
 	m.stream.reader = r
-	m.changed()
+	m.reconcile()
 	m.mu.Unlock()
 }
 

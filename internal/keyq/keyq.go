@@ -178,7 +178,8 @@ func (s *Set[T]) TakeAlone(k *Key[T]) (it T, ok bool) {
 
 // Done ends k's call, its event handled or given up on. After a replay's
 // last call the key leaves backoff, then waits if PushBackoff came during
-// the replay.
+// the replay. A key with events left goes to the back of the run queue:
+// keys take turns, an event each.
 func (s *Set[T]) Done(k *Key[T]) {
 	s.uncount(k)
 	if b := k.backoff; b != nil && k.inCall() && b.replayLeft == 0 {
@@ -233,10 +234,10 @@ func (s *Set[T]) Forget(name string) []T {
 	}
 	s.uncount(k)
 	items := k.items
-	k.items, k.backoff = nil, nil
 	if k.phase != Running {
-		s.moveTo(k, Idle)
+		s.moveTo(k, Idle) // first: the heap orders keys by their backoff's due time
 	}
+	k.items, k.backoff = nil, nil
 	s.count(k)
 	return items
 }
