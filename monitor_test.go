@@ -184,6 +184,33 @@ func TestHandlerContextHasClockDrivenDeadline(t *testing.T) {
 	assert.Equal(t, epoch.Add(3*time.Second), deadline)
 }
 
+// A call starts as its worker takes its event: a replay's log line, written
+// before the handler is called, counts in the deadline (WithHandleTimeout),
+// so a log hook that takes 3 s leaves the handler 7 s of 10.
+func TestAReplaysDeadlineCountsItsLogLine(t *testing.T) {
+	deadlines := make(chan time.Time, 2)
+	var calls atomic.Int32
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		deadline, _ := ctx.Deadline()
+		deadlines <- deadline
+		if calls.Add(1) == 1 {
+			return errors.New("the first call fails")
+		}
+		return nil
+	}), WithHandleTimeout(10*time.Second), WithBackoff(time.Second, time.Minute))
+	hook := newBlockHook(logrus.InfoLevel, "retrying backed-off events")
+	h.m.cfg.logger.Logger.AddHook(hook)
+	require.NoError(t, h.m.Submit("a", ev{"a", 1}))
+	h.settled(t)
+	require.Equal(t, epoch.Add(10*time.Second), <-deadlines)
+	h.clock.Step(time.Second) // the replay is taken at 1 s; its log line takes until 4 s
+	<-hook.blocked
+	h.clock.Step(3 * time.Second)
+	close(hook.release)
+	h.settled(t)
+	assert.Equal(t, epoch.Add(11*time.Second), <-deadlines, "7 s left when the handler began")
+}
+
 // A handler's context ends when the handler returns, as one from
 // context.WithTimeout with a deferred cancel would: work the handler started
 // with it stops too.
