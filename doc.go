@@ -27,14 +27,23 @@
 //   - Clock-driven: every delay, deadline and timestamp comes from the
 //     configured clock, so tests with a fake clock control retries exactly.
 //
-// Where each guarantee lives: the order, the phases, the turns (a key with
-// events left goes to the back of the run queue after each call) and the
-// backoff rules in internal/keyq; one goroutine per key in keyq's Running
-// phase, which only a call's start and end change (call.go); the accounting
-// in Stats, whose identity every counter and gauge takes part in (stats.go);
-// the timing in scheduler.go; stopping in stop.go.
-//
 // The entry points mirror containerd's CRI event monitor (Subscribe, Start,
 // Stop, Backoff) so it can be swapped in, and add Run (re-subscription with
 // backoff and a resync hook) and Shutdown (drain before stopping).
 package eventmonitor
+
+// For maintainers, where each guarantee lives:
+//   - order, phases, turns (a key with events left goes to the back of the
+//     run queue after each call) and the backoff rules: internal/keyq;
+//   - one goroutine per key: keyq's Running phase, entered only by Take (a
+//     worker, call.go) and TakeAlone (an exit's watcher, exitmonitor.go) and
+//     left only as the call settles (settle, release); an overrunning call
+//     gives its slot away but keeps its key (replaceStuck), and Stop
+//     abandons it with its key still held (abandon);
+//   - nothing vanishes: the identity in stats.go. An event enters it in
+//     accept or refuse (or take, for an envelope not queued) and leaves it
+//     in settle, drop or Forget; in between it is in keyq or in a call, from
+//     which Stats derives the gauges;
+//   - timing: scheduler.go, one timer for retries and call deadlines;
+//   - stopping: stop.go, which also waits for what is being accepted
+//     (Monitor.accepting) and for the scheduler and watchers.
