@@ -100,7 +100,7 @@ func TestFailingKeyDoesNotFloodTheLog(t *testing.T) {
 	assert.Equal(t, 6, r.callCount(), "one call per delay")
 	assert.Len(t, h.entries(failedLine), 6)
 	assert.Len(t, h.entries(retryLine), 5)
-	assert.Equal(t, 1000, h.entries(retryLine)[4].Data["queued"])
+	assert.Equal(t, 1000, h.entries(retryLine)[4].Data["events"])
 }
 
 // Events of one origin share what they know of it until they fail: one

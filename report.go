@@ -63,7 +63,7 @@ func (m *Monitor) logRetry(c *call) {
 	m.mu.Lock()
 	fields := itemFields(c.key.Name(), c.it)
 	fields["attempt"] = c.it.attempts() + 1
-	fields["queued"], fields["delay"] = c.key.Len()+1, c.key.Delay() // the replay and what came since
+	fields["events"], fields["delay"] = c.key.Len()+1, c.key.Delay() // the replay and what came since, as README says
 	m.mu.Unlock()
 	entry := m.cfg.logger.WithFields(fields)
 	if f := c.it.failures; f != nil {
