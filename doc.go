@@ -41,7 +41,7 @@ package eventmonitor
 //     gives its slot away but keeps its key (replaceStuck), and Stop
 //     abandons it with its key still held (abandon);
 //   - nothing vanishes: the identity in stats.go. An event enters it in
-//     accept or refuse (or take, for an envelope not queued) and leaves it
+//     accept or refuse (or ingest, for an envelope not queued) and leaves it
 //     in settle, drop or Forget; in between it is in keyq or in a call, from
 //     which Stats derives the gauges;
 //   - timing: scheduler.go, one timer for retries and call deadlines;

@@ -142,7 +142,7 @@ func (m *Monitor) queueExit(key string, s ExitStatus, received bool, build func(
 	var event any
 	var err error
 	onGoexit(func() { event, err = m.buildExit(key, s, received, build) },
-		func() { m.dropTaken(key, item{}, errExitExited) })
+		func() { m.dropInHand(key, item{}, errExitExited) })
 	m.mu.Lock()
 	var k *keyq.Key[item]
 	if err == nil {

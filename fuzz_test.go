@@ -35,7 +35,7 @@ func FuzzEnvelopeIntake(f *testing.F) {
 	f.Fuzz(func(t *testing.T, ns, typeURL string, value []byte) {
 		before := m.Stats()
 		lastDrop = nil
-		m.take(context.Background(), &Envelope{Namespace: ns, Topic: "/fuzz", Event: &anypb.Any{TypeUrl: typeURL, Value: value}})
+		m.ingest(context.Background(), &Envelope{Namespace: ns, Topic: "/fuzz", Event: &anypb.Any{TypeUrl: typeURL, Value: value}})
 		after := m.Stats()
 		if after.Received != before.Received+1 {
 			t.Fatalf("received %d -> %d", before.Received, after.Received)

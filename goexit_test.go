@@ -866,7 +866,7 @@ func TestGoexitInTheStreamFailedLineStillEndsStart(t *testing.T) {
 	awaitClosed(t, stopped, "Stop")
 }
 
-// A panic (not a Goexit) through take, before the converter's result is
+// A panic (not a Goexit) through ingest, before the converter's result is
 // in (a log hook panicking on protect's line for an ignored payload whose
 // GetTypeUrl panics), on Run's caller's goroutine, which recovers it: the
 // envelope is not dropped as if the converter had called runtime.Goexit,
@@ -1121,7 +1121,7 @@ func TestNestedGoexitInStartsCleanup(t *testing.T) {
 	}
 }
 
-// A Goexit on Start's reader outside take's guard but inside consume (the
+// A Goexit on Start's reader outside ingest's guard but inside consume (the
 // debug line for a first ignored type): the envelope was counted as
 // ignored, is not dropped as well, and Start reports errReaderExited.
 func TestGoexitAfterTheEnvelopeWasCountedDropsNothing(t *testing.T) {

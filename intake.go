@@ -46,13 +46,13 @@ var (
 	errConverterExited = fmt.Errorf("%w: converting it ended the goroutine (runtime.Goexit)", ErrInvalidEvent)
 )
 
-// take converts env without the lock and accepts it, waiting until ctx ends
+// ingest converts env without the lock and accepts it, waiting until ctx ends
 // while WithIntakeLimit events wait for a worker, so that a flood stays in
 // the runtime rather than in our memory. What cannot be accepted is dropped
 // (once Stop began, a decoded event with ErrStopped). An envelope of
 // another namespace is counted as filtered; one of a type nobody keys as
 // ignored, its type logged once.
-func (m *Monitor) take(ctx context.Context, env *Envelope) {
+func (m *Monitor) ingest(ctx context.Context, env *Envelope) {
 	m.inHand()
 	defer m.outOfHand()
 	var it item
@@ -68,7 +68,7 @@ func (m *Monitor) take(ctx context.Context, env *Envelope) {
 		if ignored { // the payload's code: not under mu, nor unguarded
 			m.protect("the payload's GetTypeUrl", "", func() { url = env.Event.GetTypeUrl() })
 		}
-	}, func() { m.dropTaken("", it, errConverterExited) })
+	}, func() { m.dropInHand("", it, errConverterExited) })
 	it.event = event
 	m.mu.Lock()
 	var drops []Drop
@@ -118,10 +118,10 @@ func (m *Monitor) outOfHand() {
 	m.mu.Unlock()
 }
 
-// dropTaken drops what a goroutine took in (an envelope, an exit) when
+// dropInHand drops what a goroutine had in hand (an envelope, an exit) when
 // user code ended it (runtime.Goexit) before it was queued: it is still
 // accounted for.
-func (m *Monitor) dropTaken(key string, it item, reason error) {
+func (m *Monitor) dropInHand(key string, it item, reason error) {
 	m.mu.Lock()
 	drops := m.refuse(key, it, reason)
 	m.mu.Unlock()

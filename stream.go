@@ -260,19 +260,19 @@ func (m *Monitor) consume(ctx context.Context, sub *subscription, first chan str
 				close(first)
 			}
 			delivered = true
-			m.take(ctx, env)
+			m.ingest(ctx, env)
 		case err, ok := <-sub.errs:
 			if !ok || err != nil {
-				return m.takeBuffered(ctx, sub.ch) || delivered, checked(cmp.Or(err, ErrStreamClosed))
+				return m.ingestBuffered(ctx, sub.ch) || delivered, checked(cmp.Or(err, ErrStreamClosed))
 			}
 		}
 	}
 }
 
-// takeBuffered takes what the subscriber sent before its error, which may
+// ingestBuffered ingests what the subscriber sent before its error, which may
 // wait in a buffered channel still (containerd.NewSubscriber's does), until
 // none is ready, reporting whether any was.
-func (m *Monitor) takeBuffered(ctx context.Context, ch <-chan *Envelope) (delivered bool) {
+func (m *Monitor) ingestBuffered(ctx context.Context, ch <-chan *Envelope) (delivered bool) {
 	for ctx.Err() == nil {
 		select {
 		case env, ok := <-ch:
@@ -280,7 +280,7 @@ func (m *Monitor) takeBuffered(ctx context.Context, ch <-chan *Envelope) (delive
 				return delivered
 			}
 			delivered = true
-			m.take(ctx, env)
+			m.ingest(ctx, env)
 		default:
 			return delivered
 		}

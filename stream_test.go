@@ -435,7 +435,7 @@ func (a lockProbeAny) GetTypeUrl() string {
 }
 func (a lockProbeAny) GetValue() []byte { return nil }
 
-// No user code under mu. take once called env.Event.GetTypeUrl() (the
+// No user code under mu. ingest once called env.Event.GetTypeUrl() (the
 // payload is the subscriber's typeurl.Any: user code) with mu held, to log
 // an ignored type once: a payload that looks at the monitor (or just
 // blocks) held every Submit, worker and Stop.

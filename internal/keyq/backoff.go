@@ -21,8 +21,8 @@ type backoff struct {
 	next       time.Time // set by PushBackoff during the replay: due once it ends
 }
 
-// inCall reports whether k's call in progress is its replay's.
-func (k *Key[T]) inCall() bool { return k.phase == Running && k.backoff.taken > 0 }
+// inReplayCall reports whether k is Running a call of its replay.
+func (k *Key[T]) inReplayCall() bool { return k.phase == Running && k.backoff.taken > 0 }
 
 // Due is when a key in backoff replays (past while it replays).
 func (k *Key[T]) Due() time.Time {
