@@ -143,7 +143,7 @@ func (m *Monitor) handle(c *call) (next *call) {
 	if c.replayStart {
 		// Before the CAS: a call held up in a log hook has invoked no
 		// handler yet, so Stop may still withdraw it.
-		onGoexit(func() { m.logRetry(c) }, func() { c.replayStart = false; go m.work(c) })
+		onGoexit(func() { m.logRetry(c) }, func() { c.replayStart = false; m.workOn(c) })
 	}
 	if !c.progress.CompareAndSwap(notBegun, invoked) {
 		return nil // Stop withdrew it before it began, and accounted for it

@@ -22,8 +22,8 @@
 //     idle cost, and a replay starts when its timer fires, not at a tick.
 //   - Nothing vanishes: every accepted event is handled or ignored, is still
 //     queued (Stats, Pending), was returned by Forget, or reaches the drop
-//     handler with a reason. Stop and Shutdown hand over what is left, and return
-//     about one handle timeout after the drain whatever handlers do.
+//     handler with a reason. Stop and Shutdown hand over what is left, and
+//     return about one handle timeout after the drain whatever handlers do.
 //   - Clock-driven: every delay, deadline and timestamp comes from the
 //     configured clock, so tests with a fake clock control retries exactly.
 //
