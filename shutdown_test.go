@@ -918,3 +918,29 @@ func TestSecondShutdownWhoseCtxEndsAfterAnotherStoppedReportsWhatTheDrainLost(t 
 	require.Zero(t, canceled, "in %d of %d rounds a Shutdown whose ctx ended after the drain was done "+
 		"(the stop had begun, with its ctx live) returned ctx's error", canceled, rounds)
 }
+
+// A Stop that takes the lock after the drain can move no more, but before
+// Shutdown wakes to stop, cuts nothing short: Shutdown reports what the
+// drain lost, as it does when it stops first. The test holds mu across
+// the scheduler's pass and Stop's first step, the interleaving the race
+// allows; before the fix Shutdown said the Stop had cut its drain short.
+func TestAStopAfterTheDrainIsDoneCutsNothingShort(t *testing.T) {
+	h, _ := stuckOnA(t, WithMaxOverruns(0))
+	h.submit(t, ev{"b", 1}) // waits for the one worker, which a/1 keeps
+	errs := make(chan error, 1)
+	go func() { errs <- h.m.Shutdown(context.Background()) }()
+	waitFor(t, func() bool {
+		return goroutinesIn("(*Monitor).Shutdown", "sync.(*Cond).Wait") == 1
+	}, "Shutdown waits for the drain")
+	h.m.mu.Lock()
+	h.m.expire(h.clock.Now().Add(DefaultHandleTimeout + time.Second)) // the pass: a/1 overruns
+	require.False(t, h.m.drainable(), "the drain can move no more")
+	h.m.beginStop(true) // Stop's first step, before Shutdown has mu again
+	h.m.mu.Unlock()
+	h.m.Stop()
+	err := awaitErr(t, errs)
+	require.ErrorIs(t, err, ErrStopped)
+	assert.ErrorContains(t, err, "abandoned 1 handler calls")
+	assert.ErrorContains(t, err, "dropped 1 events that stuck calls held back")
+	assert.NotContains(t, err.Error(), "cut short", "the drain was done when the Stop began")
+}

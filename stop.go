@@ -50,14 +50,15 @@ func (m *Monitor) stop(ctx context.Context) (byCtx int) {
 // beginStop ends intake, notes what the stop begins with, for every
 // Shutdown's result, and cancels every call. cutsDrain: the stop ends a
 // drain before it is done (Stop, or a Shutdown whose ctx ended), if
-// Shutdown was called. mu is held.
+// Shutdown was called and its drain could still move. mu is held.
 func (m *Monitor) beginStop(cutsDrain bool) {
 	shutdownCalled := m.intakeEnded()
 	m.endIntake()
 	if m.state == stopped {
 		return
 	}
-	m.atStop = atStop{cut: cutsDrain && shutdownCalled, reading: m.stream.reader == consuming,
+	drainDone := m.state == draining && !m.drainable() // a Stop won the lock from Shutdown
+	m.atStop = atStop{cut: cutsDrain && shutdownCalled && !drainDone, reading: m.stream.reader == consuming,
 		left: m.keys.Events(), calls: slices.Clone(m.calls)}
 	m.state = stopped
 	close(m.stopping)
