@@ -944,3 +944,102 @@ func TestAStopAfterTheDrainIsDoneCutsNothingShort(t *testing.T) {
 	assert.ErrorContains(t, err, "dropped 1 events that stuck calls held back")
 	assert.NotContains(t, err.Error(), "cut short", "the drain was done when the Stop began")
 }
+
+// The same moment for ctx: a Shutdown whose ctx ends after the pass that
+// left its drain unable to move, but before it has mu again, reports what
+// the drain lost, not ctx's error; its ctx cost nothing, as the stuck call
+// is abandoned as it overran either way (review 37). White-box, as above:
+// mu is held across the pass and ctx's end.
+func TestACtxEndingAfterTheDrainIsDoneCostsNothing(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		heldBack  bool // b/1 waits for the one worker, which a/1 keeps
+		stopFirst bool // a Stop takes mu in the same window
+	}{{"an event held back", true, false}, {"only the stuck call", false, false}, {"a Stop first", true, true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			opts := []Option{}
+			if tc.heldBack {
+				opts = append(opts, WithMaxOverruns(0))
+			}
+			h, _ := stuckOnA(t, opts...)
+			if tc.heldBack {
+				h.submit(t, ev{"b", 1})
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			errs := make(chan error, 1)
+			go func() { errs <- h.m.Shutdown(ctx) }()
+			waitFor(t, func() bool {
+				return goroutinesIn("(*Monitor).Shutdown", "sync.(*Cond).Wait") == 1
+			}, "Shutdown waits for the drain")
+			h.m.mu.Lock()
+			h.m.expire(h.clock.Now().Add(DefaultHandleTimeout + time.Second)) // the pass: a/1 overruns
+			h.m.reconcile()
+			require.False(t, h.m.drainable(), "the drain can move no more")
+			cancel()
+			if tc.stopFirst {
+				h.m.beginStop(true)
+			}
+			h.m.mu.Unlock()
+			if tc.stopFirst {
+				h.m.Stop()
+			}
+			err := awaitErr(t, errs)
+			assertBalanced(t, h.m.Stats())
+			require.NotErrorIs(t, err, context.Canceled, "ctx ended after the drain was done")
+			require.ErrorIs(t, err, ErrStopped)
+			assert.ErrorContains(t, err, "abandoned 1 handler calls")
+			assert.NotContains(t, err.Error(), "cut short")
+		})
+	}
+}
+
+// A Stop while a returned call is being reported, beside a stuck call,
+// cuts nothing short: it waits for the report, and nothing else is
+// queued. The stuck call does not count as work the drain had left, as it
+// does not hold up the drain either (review 37).
+func TestAStopDuringAReportBesideAStuckCallCutsNothing(t *testing.T) {
+	for _, withStop := range []bool{false, true} {
+		t.Run(fmt.Sprint("Stop:", withStop), func(t *testing.T) {
+			bm := &blockingMetrics{entered: make(chan struct{}), release: make(chan struct{})}
+			unblock, started := make(chan struct{}), make(chan struct{})
+			h := newHarness(t, HandlerFunc(func(_ context.Context, e any) error {
+				if e == (ev{"a", 1}) {
+					close(started)
+					<-unblock // ignores its ctx: overruns
+				}
+				return nil
+			}), WithLogger(quietLogger()), WithWorkers(1), WithMetrics(bm))
+			t.Cleanup(func() { close(unblock) }) // before the harness's own, which checks for leaks
+			var once sync.Once
+			releaseReport := func() { once.Do(func() { close(bm.release) }) }
+			defer releaseReport()
+			h.submit(t, ev{"a", 1})
+			<-started
+			h.clock.Step(DefaultHandleTimeout + time.Second)
+			waitFor(t, func() bool { return h.m.Stats().Overrunning == 1 }, "a/1 overruns, its slot given away")
+			h.submit(t, ev{"b", 1})
+			<-bm.entered // b/1 returned nil; its report is under way
+
+			shut := shutdownBegun(t, h, context.Background())
+			waitFor(t, func() bool {
+				return goroutinesIn("(*Monitor).Shutdown", "sync.(*Cond).Wait") == 1
+			}, "Shutdown waits for b/1's report")
+			stopDone := make(chan struct{})
+			if withStop {
+				go func() { defer close(stopDone); h.m.Stop() }()
+				waitFor(t, stateIs(h.m, stopped), "the Stop began during b/1's report")
+			} else {
+				close(stopDone)
+			}
+			releaseReport()
+			err := awaitErr(t, shut)
+			<-stopDone
+			assertBalanced(t, h.m.Stats())
+			require.EqualValues(t, 1, h.m.Stats().Handled, "b/1 handled either way")
+			require.ErrorIs(t, err, ErrStopped)
+			require.ErrorContains(t, err, "abandoned 1 handler calls")
+			require.NotContains(t, err.Error(), "cut short", "the Stop waited for b/1's report")
+		})
+	}
+}

@@ -57,13 +57,12 @@ func (m *Monitor) beginStop(cutsDrain bool) {
 	if m.state == stopped {
 		return
 	}
-	drainDone := m.state == draining && !m.drainable() // a Stop won the lock from Shutdown
-	m.atStop = atStop{cut: cutsDrain && shutdownCalled && !drainDone, reading: m.stream.reader == consuming,
+	m.atStop = atStop{cut: cutsDrain && shutdownCalled && !m.drainDone(), reading: m.stream.reader == consuming,
 		left: m.keys.Events(), calls: slices.Clone(m.calls)}
 	m.state = stopped
 	close(m.stopping)
 	for _, c := range m.calls {
-		if c.progress.Load() != returned {
+		if c.runningIn(inTime, late) {
 			m.atStop.running++
 		}
 		c.cancel(context.Canceled)
@@ -128,10 +127,10 @@ func (m *Monitor) finishStop() {
 // read or built) it still waits for.
 //
 // Its result, the first of these that applies:
-//   - ctx's error, if ctx ended before the drain was done (handlers still
-//     running, events left, or the stream reader not yet done: it may take
-//     an envelope, which the stop drops), or its stop abandoned a call as
-//     ctx ended;
+//   - ctx's error, if ctx ended before the drain was done (handlers not
+//     yet overrunning still running, events left, or the stream reader not
+//     yet done: it may take an envelope, which the stop drops), or its stop
+//     abandoned a call as ctx ended;
 //   - nil, if a Stop had begun before it was called: what that Stop loses
 //     is its own;
 //   - an error wrapping ErrStopped that says what its drain lost: calls
@@ -158,9 +157,11 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	for m.state == draining && ctx.Err() == nil && m.drainable() {
 		m.cond.Wait()
 	}
-	// ctx counts only if it ends the drain, not if another stop did first;
-	// the stop begins under the same lock, so no call starts in between.
-	ended := ctx.Err() != nil && m.state != stopped
+	// ctx counts only if it ends the drain: not if another stop did first,
+	// nor if the drain was done as ctx ended, its wake-up racing the pass
+	// that left it so. The stop begins under the same lock, so no call
+	// starts in between.
+	ended := ctx.Err() != nil && m.state != stopped && !m.drainDone()
 	m.beginStop(ended)
 	o := drainOutcome{atStop: m.atStop, beforeStop: beforeStop, ended: ended}
 	m.mu.Unlock()
@@ -177,11 +178,11 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 
 // atStop is what was left as the stop began.
 type atStop struct {
-	cut     bool    // a Stop, or a Shutdown whose ctx ended, began it while a Shutdown drained
+	cut     bool    // a Stop, or a Shutdown whose ctx ended, began it while a Shutdown's drain could move
 	reading bool    // the stream reader was consuming
 	left    int     // events queued, which the stop drops
 	calls   []*call // in progress or being settled
-	running int     // of the calls, those whose handler had not returned
+	running int     // of the calls, those whose handler had not returned and had not overrun
 }
 
 // drainOutcome is what a Shutdown's drain left as the stop began, and what
@@ -231,6 +232,11 @@ func (m *Monitor) drainable() bool {
 	}
 	return m.keys.HasReady() && m.slotsHeld() < m.cfg.workers
 }
+
+// drainDone reports whether a Shutdown's drain can move no more, so that a
+// stop cuts nothing short: a Stop, or ctx's end, may win the lock from the
+// Shutdown woken to stop. mu is held.
+func (m *Monitor) drainDone() bool { return m.state == draining && !m.drainable() }
 
 // releaseHold ends WithDeferredStart's hold. mu is held.
 func (m *Monitor) releaseHold() {
