@@ -919,37 +919,13 @@ func TestSecondShutdownWhoseCtxEndsAfterAnotherStoppedReportsWhatTheDrainLost(t 
 		"(the stop had begun, with its ctx live) returned ctx's error", canceled, rounds)
 }
 
-// A Stop that takes the lock after the drain can move no more, but before
-// Shutdown wakes to stop, cuts nothing short: Shutdown reports what the
-// drain lost, as it does when it stops first. The test holds mu across
-// the scheduler's pass and Stop's first step, the interleaving the race
-// allows; before the fix Shutdown said the Stop had cut its drain short.
-func TestAStopAfterTheDrainIsDoneCutsNothingShort(t *testing.T) {
-	h, _ := stuckOnA(t, WithMaxOverruns(0))
-	h.submit(t, ev{"b", 1}) // waits for the one worker, which a/1 keeps
-	errs := make(chan error, 1)
-	go func() { errs <- h.m.Shutdown(context.Background()) }()
-	waitFor(t, func() bool {
-		return goroutinesIn("(*Monitor).Shutdown", "sync.(*Cond).Wait") == 1
-	}, "Shutdown waits for the drain")
-	h.m.mu.Lock()
-	h.m.expire(h.clock.Now().Add(DefaultHandleTimeout + time.Second)) // the pass: a/1 overruns
-	require.False(t, h.m.drainable(), "the drain can move no more")
-	h.m.beginStop(true) // Stop's first step, before Shutdown has mu again
-	h.m.mu.Unlock()
-	h.m.Stop()
-	err := awaitErr(t, errs)
-	require.ErrorIs(t, err, ErrStopped)
-	assert.ErrorContains(t, err, "abandoned 1 handler calls")
-	assert.ErrorContains(t, err, "dropped 1 events that stuck calls held back")
-	assert.NotContains(t, err.Error(), "cut short", "the drain was done when the Stop began")
-}
-
-// The same moment for ctx: a Shutdown whose ctx ends after the pass that
-// left its drain unable to move, but before it has mu again, reports what
-// the drain lost, not ctx's error; its ctx cost nothing, as the stuck call
-// is abandoned as it overran either way (review 37). White-box, as above:
-// mu is held across the pass and ctx's end.
+// A Stop, or ctx's end, that takes the lock after the pass that left a
+// Shutdown's drain unable to move, but before the Shutdown has it again,
+// cuts nothing short: Shutdown reports what the drain lost, as when it
+// stops first, not a cut nor ctx's error; the stuck call is abandoned as
+// it overran either way (the last stop's suspicion, and review 37). The
+// test holds mu across the pass and the stop's first step or ctx's end,
+// the interleavings the race allows.
 func TestACtxEndingAfterTheDrainIsDoneCostsNothing(t *testing.T) {
 	for _, tc := range []struct {
 		name      string
