@@ -926,7 +926,7 @@ func TestSecondShutdownWhoseCtxEndsAfterAnotherStoppedReportsWhatTheDrainLost(t 
 // it overran either way (the last stop's suspicion, and review 37). The
 // test holds mu across the pass and the stop's first step or ctx's end,
 // the interleavings the race allows.
-func TestACtxEndingAfterTheDrainIsDoneCostsNothing(t *testing.T) {
+func TestAStopOrCtxEndAfterTheDrainIsDoneCutsNothing(t *testing.T) {
 	for _, tc := range []struct {
 		name      string
 		heldBack  bool // b/1 waits for the one worker, which a/1 keeps
