@@ -423,3 +423,91 @@ func TestExitStatusProblemsReachTheBuilder(t *testing.T) {
 type panickyStatus struct{}
 
 func (panickyStatus) Result() (uint32, time.Time, error) { panic("status") }
+
+// WatchExit's channel, for an inline exit that fails as Stop cancels it,
+// closes only once its drop (ErrStopped) was handed over (review 38).
+func TestAnInlineExitFailingAtStopIsDroppedBeforeItsChannelCloses(t *testing.T) {
+	entered := make(chan struct{})
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, _ any) error {
+		close(entered)
+		<-ctx.Done()
+		return ctx.Err()
+	}))
+	exitCh := make(chan fakeExit, 1)
+	exitCh <- fakeExit{code: 9, at: epoch}
+	done := WatchExit(context.Background(), h.m, "c1", exitCh, exitOf("c1"))
+	<-entered
+	h.m.Stop()
+	awaitClosed(t, done, "done")
+	drops := h.drops.all()
+	require.Len(t, drops, 1, "handed over before done closed")
+	assert.ErrorIs(t, drops[0].Reason, ErrStopped)
+	assertBalanced(t, h.m.Stats())
+	assert.EqualValues(t, 1, h.m.Stats().Failed)
+}
+
+// A watcher held up between registering its inline call and making it:
+// Stop, once the deadline and grace pass, withdraws the call, so the
+// handler never runs and the exit is dropped once (review 38). White-box:
+// the test plays the watcher, calling queueExit and then handle itself.
+func TestStopWithdrawsAnInlineExitNotYetBegun(t *testing.T) {
+	var calls atomic.Int32
+	h := newHarness(t, HandlerFunc(func(context.Context, any) error { calls.Add(1); return nil }))
+	h.m.mu.Lock()
+	h.m.watchers.Add(1) // as WatchExitResult does
+	h.m.mu.Unlock()
+	c := h.m.queueExit("c1", fakeExit{code: 3, at: epoch}, true, func(code uint32, at time.Time, _ error) any {
+		return exitEvent{"c1", code, at}
+	})
+	require.NotNil(t, c, "an idle key's exit is handled inline")
+	stopDone := make(chan struct{})
+	go func() { h.m.Stop(); close(stopDone) }()
+	waitFor(t, stateIs(h.m, stopped), "Stop begins")
+	h.clock.Step(DefaultHandleTimeout + time.Second)
+	awaitClosed(t, stopDone, "Stop")
+	assert.Nil(t, h.m.handle(c), "a withdrawn call is not made")
+	assert.Zero(t, calls.Load())
+	drops := h.drops.all()
+	require.Len(t, drops, 1)
+	assert.ErrorContains(t, drops[0].Reason, "withdrawn")
+	assertBalanced(t, h.m.Stats())
+	assert.EqualValues(t, 1, h.m.Stats().Received)
+}
+
+// Order across sources is the order accepted: an envelope of k the stream
+// reader converted before k's exit arrived, but holds at WithIntakeLimit,
+// is handled after the exit, which runs inline at once (WatchExit's doc;
+// review 38).
+func TestAnExitOvertakesAnEnvelopeHeldAtTheIntakeLimit(t *testing.T) {
+	r := newRecorder()
+	gate := make(chan struct{})
+	r.onCall = func(_ context.Context, e any) error {
+		if e == (ev{"a", 1}) {
+			<-gate
+		}
+		return nil
+	}
+	h := newHarness(t, r, WithConverter(testConverter), WithIntakeLimit(1), WithWorkers(1))
+	h.submit(t, ev{"a", 1}, ev{"a", 2}) // a/1 runs, a/2 queued: the intake is full
+	ch := make(chan *Envelope, 1)
+	ch <- envelope(t, "", wrapperspb.String("k"))
+	h.m.Subscribe(SubscriberFunc(func(context.Context, ...string) (<-chan *Envelope, <-chan error) { return ch, nil }))
+	h.m.Start()
+	waitFor(t, func() bool {
+		h.m.mu.Lock()
+		defer h.m.mu.Unlock()
+		return h.m.accepting == 1 && len(ch) == 0
+	}, "the reader holds k's envelope at the intake limit")
+	exitCh := make(chan fakeExit, 1)
+	exitCh <- fakeExit{code: 0, at: epoch}
+	awaitClosed(t, WatchExit(context.Background(), h.m, "k", exitCh, exitOf("k")), "k's exit")
+	close(gate)
+	h.settled(t)
+	got := r.handledList()
+	require.Len(t, got, 4)
+	assert.Equal(t, exitEvent{"k", 0, epoch}, got[0], "the exit first")
+	assert.Equal(t, anys(ev{"a", 1}, ev{"a", 2}), got[1:3])
+	last, ok := got[3].(*wrapperspb.StringValue)
+	require.True(t, ok, "the envelope last, not %v", got[3])
+	assert.Equal(t, "k", last.GetValue())
+}
