@@ -59,7 +59,10 @@ func WithNamespace(ns string) Option { return func(c *config) { c.namespace = ns
 // which Stop, Shutdown and WaitIdle may wait for: it must not call them.
 func WithConverter(conv Converter) Option { return func(c *config) { c.converter = conv } }
 
-// WithClock sets the clock for all delays, deadlines and timestamps.
+// WithClock sets the clock for all delays, deadlines and timestamps. A
+// handler's ctx.Deadline is on this clock, and code under the handler that
+// measures it by the real time (net.Dialer, gRPC) takes it as real time
+// (see package eventmonitortest).
 func WithClock(clk clock.WithTicker) Option { return func(c *config) { c.clock = clk } }
 
 // WithBackoff sets a failed key's first delay and the cap it doubles up to.

@@ -128,14 +128,18 @@ func (m *Monitor) poke() {
 func (m *Monitor) schedule(fired <-chan time.Time) {
 	defer m.watchers.Done()
 	for more := true; more; {
+		timerFired := false
 		select {
 		case <-fired:
+			timerFired = true
 		case <-m.sched.wake:
 		}
 		m.mu.Lock()
 		now := m.cfg.clock.Now()
 		stuck := m.expire(now)
-		if m.sched.overdue(now) { // only then: a poke leaves a correct timer be
+		// A poke leaves a correct timer be. One that fired is off the clock,
+		// even if the clock was set back since, before what it timed.
+		if timerFired || m.sched.overdue(now) {
 			m.sched.stop() // reconcile sets it afresh
 		}
 		m.reconcile()

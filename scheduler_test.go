@@ -545,3 +545,110 @@ func TestABufferedPokeLeavesACorrectTimerAlone(t *testing.T) {
 		"idle, clock still: %d stops of a pending timer, %d reads of no waiter with a key in backoff",
 		clk.stopped.Load(), falseReads.Load())
 }
+
+// passClock counts Now calls, so that a test knows the scheduler's pass,
+// which reads the clock first thing under mu, has run.
+type passClock struct {
+	*testclock.FakeClock
+	nows atomic.Int64
+}
+
+func (c *passClock) Now() time.Time { c.nows.Add(1); return c.FakeClock.Now() }
+
+// clockBackBeforePass fires the timer by setting the clock to at, then
+// sets it back a second before the scheduler's pass can run (the test
+// holds mu across both), and waits for that pass.
+func clockBackBeforePass(t *testing.T, h *harness, clk *passClock, at time.Time) {
+	h.m.mu.Lock()
+	clk.SetTime(at)
+	clk.SetTime(at.Add(-time.Second))
+	n := clk.nows.Load()
+	h.m.mu.Unlock()
+	waitFor(t, func() bool { return clk.nows.Load() > n }, "the pass ran")
+	h.m.mu.Lock() // the pass is done
+	h.m.mu.Unlock()
+}
+
+// A timer that fired is off the clock even if the clock went back before
+// the pass: the pass sets it again, so that the retry it timed still
+// comes when the clock reaches its due time, with no WaitIdle to find it
+// overdue (review 39: the timer was lost, its time still noted as set).
+func TestARetryTimerFiredAsTheClockWentBackIsSetAgain(t *testing.T) {
+	clk := &passClock{FakeClock: testclock.NewFakeClock(epoch)}
+	var handled atomic.Int32
+	h := newHarness(t, HandlerFunc(func(context.Context, any) error { handled.Add(1); return nil }), WithClock(clk))
+	h.m.Backoff("k", ev{"k", 1})
+	h.settled(t)
+	due, ok := h.m.NextRetry()
+	require.True(t, ok)
+	clockBackBeforePass(t, h, clk, due)
+	require.True(t, clk.HasWaiters(), "a key waits in backoff: its timer is on the clock")
+	clk.SetTime(due) // no WaitIdle
+	waitFor(t, func() bool { return handled.Load() == 1 }, "the retry at its due time")
+}
+
+// The same for a call's deadline: its ctx ends when the clock reaches it.
+func TestADeadlineTimerFiredAsTheClockWentBackIsSetAgain(t *testing.T) {
+	clk := &passClock{FakeClock: testclock.NewFakeClock(epoch)}
+	entered := make(chan context.Context, 1)
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, _ any) error {
+		entered <- ctx
+		<-ctx.Done()
+		return nil
+	}), WithClock(clk), WithHandleTimeout(10*time.Second))
+	h.submit(t, ev{"a", 1})
+	ctx := <-entered
+	deadline, _ := ctx.Deadline()
+	clockBackBeforePass(t, h, clk, deadline)
+	require.NoError(t, ctx.Err(), "the clock is before the deadline")
+	clk.SetTime(deadline)
+	waitFor(t, func() bool { return ctx.Err() != nil }, "the call's ctx ends at its deadline")
+}
+
+// backClock sets its fake clock back a second as its first timer is made:
+// a test's SetTime between arm's reading of the clock and its NewTimer.
+type backClock struct {
+	passClock
+	once sync.Once
+}
+
+func (c *backClock) NewTimer(d time.Duration) clock.Timer {
+	c.once.Do(func() { c.FakeClock.Step(-time.Second) })
+	return c.FakeClock.NewTimer(d)
+}
+
+// The clock set back while the timer is set: the timer counts from the
+// earlier time and fires before what it times; the pass finds nothing due
+// and must set it again (review 39).
+func TestATimerSetAsTheClockWentBackIsSetAgain(t *testing.T) {
+	fc := testclock.NewFakeClock(epoch)
+	clk := &backClock{passClock: passClock{FakeClock: fc}}
+	var handled atomic.Int32
+	h := newHarness(t, HandlerFunc(func(context.Context, any) error { handled.Add(1); return nil }), WithClock(clk))
+	h.m.Backoff("k", ev{"k", 1}) // due epoch+1s; the timer counts 1 s from epoch-1s
+	due, ok := h.m.NextRetry()
+	require.True(t, ok)
+	require.Equal(t, epoch.Add(time.Second), due)
+	n := clk.nows.Load()
+	fc.SetTime(due.Add(-time.Second / 2)) // fires the early timer
+	waitFor(t, func() bool { return clk.nows.Load() > n }, "the pass ran")
+	h.m.mu.Lock() // the pass is done
+	h.m.mu.Unlock()
+	require.Zero(t, handled.Load(), "not due yet")
+	fc.SetTime(due) // no WaitIdle
+	waitFor(t, func() bool { return handled.Load() == 1 }, "the retry at its due time")
+}
+
+// An overrunning call holds no timer of its own (eventmonitortest's doc).
+func TestAnOverrunningCallHoldsNoTimer(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithHandleTimeout(time.Second))
+	started, release := r.gate(ev{"s", 1})
+	defer release()
+	h.submit(t, ev{"s", 1})
+	<-started
+	require.True(t, h.clock.HasWaiters(), "in time: its deadline's timer")
+	h.clock.Step(time.Second + grace)
+	waitFor(t, func() bool { return h.m.Stats().Overrunning == 1 }, "overran")
+	waitFor(t, func() bool { return !h.clock.HasWaiters() }, "no timer once it overran")
+}

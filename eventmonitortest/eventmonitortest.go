@@ -13,11 +13,17 @@
 //	eventmonitortest.Step(t, m, clk, 999*time.Millisecond) // not retried yet
 //	eventmonitortest.Step(t, m, clk, time.Millisecond)     // retried now
 //
-// While a handler call runs, its deadline holds a timer on the clock, so
-// FakeClock.HasWaiters is true then; an idle monitor holds none unless a key
-// waits in backoff or Run waits (to re-subscribe, or before a resync). Tests
-// should not use HasWaiters to learn whether a retry
-// is scheduled: use NextRetry or Monitor.Pending.
+// While a handler call runs within its deadline (with WithHandleTimeout
+// above 0), the deadline holds a timer on the clock, so FakeClock.HasWaiters
+// is true then; once the call overran, it holds none of its own. An idle
+// monitor holds none unless a key waits in backoff or Run waits (to
+// re-subscribe, or before a resync). Tests should not use HasWaiters to
+// learn whether a retry is scheduled: use NextRetry or Monitor.Pending.
+//
+// A handler's ctx.Deadline is on the fake clock, but the network code under
+// it (net.Dialer, gRPC, ttrpc) reads it against the real time: start the
+// fake clock at time.Now() for handlers doing real I/O, or use
+// WithHandleTimeout(0).
 package eventmonitortest
 
 import (
