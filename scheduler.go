@@ -102,15 +102,37 @@ func (s *schedulerState) overdue(now time.Time) bool {
 	return !s.at.IsZero() && !s.at.After(now)
 }
 
-// stop stops the timer. A fake clock's timer holds one value in its
-// channel, and its Step blocks on a second: drain it. mu is held.
+// stop stops the timer. mu is held.
 func (s *schedulerState) stop() {
 	s.at = time.Time{}
 	if s.timer != nil && !s.timer.Stop() {
-		select {
-		case <-s.timer.C():
-		default:
-		}
+		s.drain()
+	}
+}
+
+// rearm puts back on the clock a timer that fired with nothing due: the
+// clock was set back since, or the fire predates the timer's last setting.
+// Reset moves a pending timer in place; stopping it first showed a test
+// that reads the fake clock after WaitIdle no timer while a key waited. A
+// timer Reset finds off the clock may have fired again since the pass read
+// the clock: that fire is drained, as Step blocks on a second, and looked
+// at anew. mu is held.
+func (m *Monitor) rearm() {
+	s := &m.sched
+	if !s.timer.Reset(s.at.Sub(m.cfg.clock.Now())) && s.drain() {
+		m.poke()
+	}
+}
+
+// drain takes a fire not yet seen, reporting whether there was one: a
+// fake clock's timer holds one in its channel, and its Step blocks on a
+// second. mu is held.
+func (s *schedulerState) drain() bool {
+	select {
+	case <-s.timer.C():
+		return true
+	default:
+		return false
 	}
 }
 
@@ -137,10 +159,12 @@ func (m *Monitor) schedule(fired <-chan time.Time) {
 		m.mu.Lock()
 		now := m.cfg.clock.Now()
 		stuck := m.expire(now)
-		// A poke leaves a correct timer be. One that fired is off the clock,
-		// even if the clock was set back since, before what it timed.
-		if timerFired || m.sched.overdue(now) {
+		// A poke leaves a correct timer be.
+		switch {
+		case m.sched.overdue(now):
 			m.sched.stop() // reconcile sets it afresh
+		case timerFired && !m.sched.at.IsZero():
+			m.rearm()
 		}
 		m.reconcile()
 		more = m.state != stopped || len(m.calls) > 0

@@ -474,6 +474,7 @@ type stopWatchClock struct {
 	*testclock.FakeClock
 	watching atomic.Bool
 	stopped  atomic.Int64
+	resets   atomic.Int64 // Resets, watching or not
 }
 
 // Now is slow while watching: the monitor reads the clock in retime,
@@ -494,6 +495,11 @@ func (c *stopWatchClock) NewTimer(d time.Duration) clock.Timer {
 type stopWatchTimer struct {
 	clock.Timer
 	c *stopWatchClock
+}
+
+func (t *stopWatchTimer) Reset(d time.Duration) bool {
+	t.c.resets.Add(1)
+	return t.Timer.Reset(d)
 }
 
 func (t *stopWatchTimer) Stop() bool {
@@ -544,6 +550,42 @@ func TestABufferedPokeLeavesACorrectTimerAlone(t *testing.T) {
 	require.Zero(t, clk.stopped.Load()+falseReads.Load(),
 		"idle, clock still: %d stops of a pending timer, %d reads of no waiter with a key in backoff",
 		clk.stopped.Load(), falseReads.Load())
+}
+
+// A fire the scheduler took before the timer was stopped and set again
+// (here k is replayed by another pass, and z backed off, while k's fire
+// waits for mu) is stale: its pass must
+// leave the pending timer on the clock, not stop it to set it again. A
+// test reading the fake clock after WaitIdle, which the stale pass may
+// follow, found no timer while a key waited.
+func TestAStaleFireLeavesThePendingTimerOnTheClock(t *testing.T) {
+	clk := &stopWatchClock{FakeClock: testclock.NewFakeClock(epoch)}
+	h := newHarness(t, HandlerFunc(func(context.Context, any) error { return nil }),
+		WithClock(clk), WithBackoff(time.Second, time.Hour), WithHandleTimeout(0))
+	h.m.Backoff("k", ev{"k", 1})
+	h.settled(t)
+	due, ok := h.m.NextRetry()
+	require.True(t, ok)
+	h.m.mu.Lock()
+	fired := h.m.sched.timer.C()
+	clk.SetTime(due)
+	waitFor(t, func() bool { return len(fired) == 0 }, "the scheduler took the fire and waits for mu")
+	h.m.reconcile()                                               // replays k: nothing left to time, the timer stops
+	_, err := h.m.accept("z", item{event: ev{"z", 1}}, backedOff) // Backoff's steps, under the same hold
+	require.NoError(t, err)
+	h.m.reconcile() // the timer is set for z
+	at, now := h.m.sched.at, clk.Now()
+	resets := clk.resets.Load()
+	clk.watching.Store(true)
+	h.m.mu.Unlock()
+	require.True(t, at.After(now), "the timer is set for z's retry, %v, after now, %v", at, now)
+	waitFor(t, func() bool { return clk.resets.Load() > resets }, "the stale pass ran")
+	h.settled(t)
+	clk.watching.Store(false)
+	require.Zero(t, clk.stopped.Load(), "the stale pass stopped the pending timer")
+	_, waiting := h.m.NextRetry()
+	require.True(t, waiting, "z waits in backoff")
+	require.True(t, clk.HasWaiters(), "z's timer is on the clock")
 }
 
 // passClock counts Now calls, so that a test knows the scheduler's pass,
