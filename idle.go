@@ -41,9 +41,16 @@ func (m *Monitor) WaitIdle(ctx context.Context) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	for {
+		idle := len(m.calls) == 0 && m.accepting == 0 && (m.state == held || !m.keys.HasReady())
+		if idle && !m.sched.at.IsZero() {
+			// A fire the scheduler has yet to see, the clock set back
+			// since, left the timer off the clock: put it back (in place
+			// if it is on it) before saying idle.
+			m.arm(m.sched.at)
+		}
 		overdue := m.sched.overdue(m.cfg.clock.Now())
 		switch {
-		case len(m.calls) == 0 && m.accepting == 0 && (m.state == held || !m.keys.HasReady()) && !overdue:
+		case idle && !overdue:
 			return nil
 		case m.state == stopped:
 			return ErrStopped

@@ -66,31 +66,35 @@ func (m *Monitor) retime() {
 }
 
 // arm sets the timer for at, starting the scheduler with the first timer.
-// A timer counts from the clock's time when it is set, not from now: a
-// fake clock stepped in between leaves it late, so it is set again while
-// the clock moved (a real clock moves nanoseconds: near enough). A test
-// stepping during every try sees its retry at its next Step, or at
-// WaitIdle, which finds the timer overdue. mu is held.
+// Reset moves a pending timer in place: stopping it first showed a test
+// reading the fake clock no timer for a moment while a key waited. One
+// that Reset finds off the clock may have left a fire unseen: drained, as
+// a fake clock's Step blocks on a second, and looked at anew, as it may be
+// this setting's. A timer counts from the clock's time when it is set, not
+// from now: a fake clock stepped in between leaves it late, so it is set
+// again while the clock moved (a real clock moves nanoseconds: near
+// enough). A test stepping during every try sees its retry at its next
+// Step, or at WaitIdle, which finds the timer overdue. mu is held.
 func (m *Monitor) arm(at time.Time) {
 	s := &m.sched
 	var now time.Time
+	look := false
 	for tries := 0; tries < 4; tries++ {
 		now = m.cfg.clock.Now()
 		if s.timer == nil {
 			s.timer = m.cfg.clock.NewTimer(at.Sub(now))
 			m.watchers.Add(1)
 			go m.schedule(s.timer.C())
-		} else {
-			s.stop()
-			s.timer.Reset(at.Sub(now))
+		} else if !s.timer.Reset(at.Sub(now)) && s.drain() {
+			look = true
 		}
 		if m.cfg.clock.Since(now) < time.Microsecond {
 			break
 		}
 	}
 	s.at = at
-	if !at.After(now) {
-		m.poke() // a fake clock's timer set for a time passed never fires
+	if look || !at.After(now) {
+		m.poke() // and a fake clock's timer set for a time passed never fires
 	}
 }
 
@@ -107,20 +111,6 @@ func (s *schedulerState) stop() {
 	s.at = time.Time{}
 	if s.timer != nil && !s.timer.Stop() {
 		s.drain()
-	}
-}
-
-// rearm puts back on the clock a timer that fired with nothing due: the
-// clock was set back since, or the fire predates the timer's last setting.
-// Reset moves a pending timer in place; stopping it first showed a test
-// that reads the fake clock after WaitIdle no timer while a key waited. A
-// timer Reset finds off the clock may have fired again since the pass read
-// the clock: that fire is drained, as Step blocks on a second, and looked
-// at anew. mu is held.
-func (m *Monitor) rearm() {
-	s := &m.sched
-	if !s.timer.Reset(s.at.Sub(m.cfg.clock.Now())) && s.drain() {
-		m.poke()
 	}
 }
 
@@ -164,7 +154,10 @@ func (m *Monitor) schedule(fired <-chan time.Time) {
 		case m.sched.overdue(now):
 			m.sched.stop() // reconcile sets it afresh
 		case timerFired && !m.sched.at.IsZero():
-			m.rearm()
+			// Nothing is due, yet the timer fired: the clock was set back
+			// since, or the fire predates the timer's last setting. Put it
+			// back for its time; one still pending stays where it is.
+			m.arm(m.sched.at)
 		}
 		m.reconcile()
 		more = m.state != stopped || len(m.calls) > 0

@@ -681,6 +681,126 @@ func TestATimerSetAsTheClockWentBackIsSetAgain(t *testing.T) {
 	waitFor(t, func() bool { return handled.Load() == 1 }, "the retry at its due time")
 }
 
+// fireBackThenStepInPass fires the timer at `at` and sets the clock back a
+// second, holding mu so that the scheduler takes the fire and waits; its
+// pass sets the timer again while the test steps the clock (clk's step,
+// inside Reset).
+func fireBackThenStepInPass(t *testing.T, h *harness, clk *driftClock, at time.Time) {
+	h.m.mu.Lock()
+	fired := h.m.sched.timer.C()
+	clk.FakeClock.SetTime(at)
+	clk.FakeClock.SetTime(at.Add(-time.Second))
+	waitFor(t, func() bool { return len(fired) == 0 }, "the scheduler took the fire and waits for mu")
+	clk.left.Store(1)
+	h.m.mu.Unlock()
+	waitFor(t, func() bool { return clk.left.Load() <= 0 }, "the pass set the timer again")
+	h.m.mu.Lock() // the pass is done
+	h.m.mu.Unlock()
+}
+
+// A timer put back after the clock went back is set again if the clock
+// moves while it is set (review 41: one Reset left it late by the step,
+// and the retry or deadline waited for a WaitIdle).
+func TestATimerPutBackAcrossAStepIsOnTime(t *testing.T) {
+	t.Run("retry", func(t *testing.T) {
+		clk := &driftClock{FakeClock: testclock.NewFakeClock(epoch), step: time.Second / 2}
+		var handled atomic.Int32
+		h := newHarness(t, HandlerFunc(func(context.Context, any) error { handled.Add(1); return nil }), WithClock(clk))
+		h.m.Backoff("k", ev{"k", 1})
+		h.settled(t)
+		due, ok := h.m.NextRetry()
+		require.True(t, ok)
+		fireBackThenStepInPass(t, h, clk, due)
+		require.Zero(t, handled.Load(), "not due yet")
+		clk.FakeClock.SetTime(due) // no WaitIdle
+		waitFor(t, func() bool { return handled.Load() == 1 }, "the retry at its due time")
+	})
+	t.Run("deadline", func(t *testing.T) {
+		clk := &driftClock{FakeClock: testclock.NewFakeClock(epoch), step: time.Second / 2}
+		entered := make(chan context.Context, 1)
+		h := newHarness(t, HandlerFunc(func(ctx context.Context, _ any) error {
+			entered <- ctx
+			<-ctx.Done()
+			return nil
+		}), WithClock(clk), WithHandleTimeout(10*time.Second))
+		h.submit(t, ev{"a", 1})
+		ctx := <-entered
+		deadline, _ := ctx.Deadline()
+		fireBackThenStepInPass(t, h, clk, deadline)
+		require.NoError(t, ctx.Err(), "the clock is before the deadline")
+		clk.FakeClock.SetTime(deadline)
+		waitFor(t, func() bool { return ctx.Err() != nil }, "the call's ctx ends at its deadline")
+	})
+}
+
+// The same for a stale fire, whose pass moves the pending timer: a step
+// while it does so must not leave it late (review 41).
+func TestAStaleFireAcrossAStepLeavesTheTimerOnTime(t *testing.T) {
+	clk := &driftClock{FakeClock: testclock.NewFakeClock(epoch), step: time.Second / 2}
+	var zs atomic.Int32
+	h := newHarness(t, HandlerFunc(func(_ context.Context, e any) error {
+		if keyOf(e) == "z" {
+			zs.Add(1)
+		}
+		return nil
+	}), WithClock(clk), WithBackoff(time.Second, time.Hour), WithHandleTimeout(0))
+	h.m.Backoff("k", ev{"k", 1})
+	h.settled(t)
+	due, ok := h.m.NextRetry()
+	require.True(t, ok)
+	h.m.mu.Lock()
+	fired := h.m.sched.timer.C()
+	clk.FakeClock.SetTime(due)
+	waitFor(t, func() bool { return len(fired) == 0 }, "the scheduler took the fire and waits for mu")
+	h.m.reconcile()                                               // replays k: nothing left to time, the timer stops
+	_, err := h.m.accept("z", item{event: ev{"z", 1}}, backedOff) // Backoff's steps, under the same hold
+	require.NoError(t, err)
+	h.m.reconcile() // the timer is set for z
+	zDue := h.m.sched.at
+	clk.left.Store(1)
+	h.m.mu.Unlock()
+	waitFor(t, func() bool { return clk.left.Load() <= 0 }, "the stale pass moved the timer")
+	waitFor(t, func() bool { return h.m.Stats().InFlight == 0 }, "k's call ended")
+	clk.FakeClock.SetTime(zDue) // no WaitIdle
+	waitFor(t, func() bool { return zs.Load() == 1 }, "z's retry at its due time")
+}
+
+// WaitIdle says idle only with the timer on the clock: a fire the
+// scheduler has yet to see, the clock set back since, had left it off
+// (review 41). The scheduler is held outside mu by its overrun log line,
+// so the fire waits in the channel.
+func TestWaitIdlePutsBackATimerFiredBeforeTheClockWentBack(t *testing.T) {
+	fc := testclock.NewFakeClock(epoch)
+	logger := logrus.New()
+	logger.Out = io.Discard
+	hook := newBlockHook(logrus.WarnLevel, "overran its timeout")
+	logger.AddHook(hook)
+	release := make(chan struct{})
+	h := newHarness(t, HandlerFunc(func(_ context.Context, e any) error {
+		if keyOf(e) == "a" {
+			<-release // ignores ctx: overruns
+		}
+		return nil
+	}), WithClock(fc), WithHandleTimeout(time.Second), WithBackoff(time.Second, time.Hour),
+		WithLogger(logrus.NewEntry(logger)))
+	var once sync.Once
+	unblock := func() { once.Do(func() { close(release) }) }
+	t.Cleanup(func() { unblock(); close(hook.release) }) // before the harness's Stop
+	h.submit(t, ev{"a", 1})
+	waitFor(t, fc.HasWaiters, "a's deadline timer")
+	fc.Step(time.Second + grace)
+	<-hook.blocked // the scheduler is outside mu, logging a's overrun
+	unblock()
+	waitFor(t, func() bool { return h.m.Stats().InFlight == 0 }, "a returned")
+	h.m.Backoff("k", ev{"k", 1})
+	due, ok := h.m.NextRetry()
+	require.True(t, ok)
+	fc.SetTime(due)                   // fires k's timer: the fire waits in its channel
+	fc.SetTime(due.Add(-time.Second)) // and the clock goes back
+	h.settled(t)
+	require.True(t, fc.HasWaiters(), "idle, k waits in backoff: its timer is on the clock")
+}
+
 // An overrunning call holds no timer of its own (eventmonitortest's doc).
 func TestAnOverrunningCallHoldsNoTimer(t *testing.T) {
 	r := newRecorder()
