@@ -791,12 +791,14 @@ func TestWaitIdlePutsBackATimerFiredBeforeTheClockWentBack(t *testing.T) {
 	fc.Step(time.Second + grace)
 	<-hook.blocked // the scheduler is outside mu, logging a's overrun
 	unblock()
-	waitFor(t, func() bool { return h.m.Stats().InFlight == 0 }, "a returned")
+	waitFor(t, func() bool { return h.m.Stats().Overrunning == 0 }, "a returned")
 	h.m.Backoff("k", ev{"k", 1})
 	due, ok := h.m.NextRetry()
 	require.True(t, ok)
+	h.m.mu.Lock()                     // no pass between the two
 	fc.SetTime(due)                   // fires k's timer: the fire waits in its channel
 	fc.SetTime(due.Add(-time.Second)) // and the clock goes back
+	h.m.mu.Unlock()
 	h.settled(t)
 	require.True(t, fc.HasWaiters(), "idle, k waits in backoff: its timer is on the clock")
 }
