@@ -552,33 +552,39 @@ func TestABufferedPokeLeavesACorrectTimerAlone(t *testing.T) {
 		clk.stopped.Load(), falseReads.Load())
 }
 
-// A fire the scheduler took before the timer was stopped and set again
-// (here k is replayed by another pass, and z backed off, while k's fire
-// waits for mu) is stale: its pass must
-// leave the pending timer on the clock, not stop it to set it again. A
-// test reading the fake clock after WaitIdle, which the stale pass may
-// follow, found no timer while a key waited.
-func TestAStaleFireLeavesThePendingTimerOnTheClock(t *testing.T) {
-	clk := &stopWatchClock{FakeClock: testclock.NewFakeClock(epoch)}
-	h := newHarness(t, HandlerFunc(func(context.Context, any) error { return nil }),
-		WithClock(clk), WithBackoff(time.Second, time.Hour), WithHandleTimeout(0))
+// staleFire makes the scheduler's next fire stale: holding mu, it fires
+// the timer for k, waits for the scheduler to take the fire (it then waits
+// for mu), replays k (nothing left to time: the timer stops) and backs z
+// off (the timer is set for z). It returns z's due time, mu still held.
+func staleFire(t *testing.T, h *harness, setTime func(time.Time)) (zDue time.Time) {
 	h.m.Backoff("k", ev{"k", 1})
 	h.settled(t)
 	due, ok := h.m.NextRetry()
 	require.True(t, ok)
 	h.m.mu.Lock()
 	fired := h.m.sched.timer.C()
-	clk.SetTime(due)
+	setTime(due)
 	waitFor(t, func() bool { return len(fired) == 0 }, "the scheduler took the fire and waits for mu")
 	h.m.reconcile()                                               // replays k: nothing left to time, the timer stops
 	_, err := h.m.accept("z", item{event: ev{"z", 1}}, backedOff) // Backoff's steps, under the same hold
 	require.NoError(t, err)
 	h.m.reconcile() // the timer is set for z
-	at, now := h.m.sched.at, clk.Now()
+	require.True(t, h.m.sched.at.After(due), "the timer is set for z's retry")
+	return h.m.sched.at
+}
+
+// A fire the scheduler took before the timer was stopped and set again is
+// stale: its pass must leave the pending timer on the clock, not stop it
+// to set it again. A test reading the fake clock after WaitIdle, which the
+// stale pass may follow, found no timer while a key waited.
+func TestAStaleFireLeavesThePendingTimerOnTheClock(t *testing.T) {
+	clk := &stopWatchClock{FakeClock: testclock.NewFakeClock(epoch)}
+	h := newHarness(t, HandlerFunc(func(context.Context, any) error { return nil }),
+		WithClock(clk), WithBackoff(time.Second, time.Hour), WithHandleTimeout(0))
+	staleFire(t, h, clk.SetTime)
 	resets := clk.resets.Load()
 	clk.watching.Store(true)
 	h.m.mu.Unlock()
-	require.True(t, at.After(now), "the timer is set for z's retry, %v, after now, %v", at, now)
 	waitFor(t, func() bool { return clk.resets.Load() > resets }, "the stale pass ran")
 	h.settled(t)
 	clk.watching.Store(false)
@@ -596,56 +602,6 @@ type passClock struct {
 }
 
 func (c *passClock) Now() time.Time { c.nows.Add(1); return c.FakeClock.Now() }
-
-// clockBackBeforePass fires the timer by setting the clock to at, then
-// sets it back a second before the scheduler's pass can run (the test
-// holds mu across both), and waits for that pass.
-func clockBackBeforePass(t *testing.T, h *harness, clk *passClock, at time.Time) {
-	h.m.mu.Lock()
-	clk.SetTime(at)
-	clk.SetTime(at.Add(-time.Second))
-	n := clk.nows.Load()
-	h.m.mu.Unlock()
-	waitFor(t, func() bool { return clk.nows.Load() > n }, "the pass ran")
-	h.m.mu.Lock() // the pass is done
-	h.m.mu.Unlock()
-}
-
-// A timer that fired is off the clock even if the clock went back before
-// the pass: the pass sets it again, so that the retry it timed still
-// comes when the clock reaches its due time, with no WaitIdle to find it
-// overdue (review 39: the timer was lost, its time still noted as set).
-func TestARetryTimerFiredAsTheClockWentBackIsSetAgain(t *testing.T) {
-	clk := &passClock{FakeClock: testclock.NewFakeClock(epoch)}
-	var handled atomic.Int32
-	h := newHarness(t, HandlerFunc(func(context.Context, any) error { handled.Add(1); return nil }), WithClock(clk))
-	h.m.Backoff("k", ev{"k", 1})
-	h.settled(t)
-	due, ok := h.m.NextRetry()
-	require.True(t, ok)
-	clockBackBeforePass(t, h, clk, due)
-	require.True(t, clk.HasWaiters(), "a key waits in backoff: its timer is on the clock")
-	clk.SetTime(due) // no WaitIdle
-	waitFor(t, func() bool { return handled.Load() == 1 }, "the retry at its due time")
-}
-
-// The same for a call's deadline: its ctx ends when the clock reaches it.
-func TestADeadlineTimerFiredAsTheClockWentBackIsSetAgain(t *testing.T) {
-	clk := &passClock{FakeClock: testclock.NewFakeClock(epoch)}
-	entered := make(chan context.Context, 1)
-	h := newHarness(t, HandlerFunc(func(ctx context.Context, _ any) error {
-		entered <- ctx
-		<-ctx.Done()
-		return nil
-	}), WithClock(clk), WithHandleTimeout(10*time.Second))
-	h.submit(t, ev{"a", 1})
-	ctx := <-entered
-	deadline, _ := ctx.Deadline()
-	clockBackBeforePass(t, h, clk, deadline)
-	require.NoError(t, ctx.Err(), "the clock is before the deadline")
-	clk.SetTime(deadline)
-	waitFor(t, func() bool { return ctx.Err() != nil }, "the call's ctx ends at its deadline")
-}
 
 // backClock sets its fake clock back a second as its first timer is made:
 // a test's SetTime between arm's reading of the clock and its NewTimer.
@@ -698,39 +654,45 @@ func fireBackThenStepInPass(t *testing.T, h *harness, clk *driftClock, at time.T
 	h.m.mu.Unlock()
 }
 
-// A timer put back after the clock went back is set again if the clock
-// moves while it is set (review 41: one Reset left it late by the step,
-// and the retry or deadline waited for a WaitIdle).
-func TestATimerPutBackAcrossAStepIsOnTime(t *testing.T) {
-	t.Run("retry", func(t *testing.T) {
-		clk := &driftClock{FakeClock: testclock.NewFakeClock(epoch), step: time.Second / 2}
-		var handled atomic.Int32
-		h := newHarness(t, HandlerFunc(func(context.Context, any) error { handled.Add(1); return nil }), WithClock(clk))
-		h.m.Backoff("k", ev{"k", 1})
-		h.settled(t)
-		due, ok := h.m.NextRetry()
-		require.True(t, ok)
-		fireBackThenStepInPass(t, h, clk, due)
-		require.Zero(t, handled.Load(), "not due yet")
-		clk.FakeClock.SetTime(due) // no WaitIdle
-		waitFor(t, func() bool { return handled.Load() == 1 }, "the retry at its due time")
-	})
-	t.Run("deadline", func(t *testing.T) {
-		clk := &driftClock{FakeClock: testclock.NewFakeClock(epoch), step: time.Second / 2}
-		entered := make(chan context.Context, 1)
-		h := newHarness(t, HandlerFunc(func(ctx context.Context, _ any) error {
-			entered <- ctx
-			<-ctx.Done()
-			return nil
-		}), WithClock(clk), WithHandleTimeout(10*time.Second))
-		h.submit(t, ev{"a", 1})
-		ctx := <-entered
-		deadline, _ := ctx.Deadline()
-		fireBackThenStepInPass(t, h, clk, deadline)
-		require.NoError(t, ctx.Err(), "the clock is before the deadline")
-		clk.FakeClock.SetTime(deadline)
-		waitFor(t, func() bool { return ctx.Err() != nil }, "the call's ctx ends at its deadline")
-	})
+// A timer that fired is off the clock even if the clock went back before
+// the pass: the pass sets it again, so that the retry or deadline it timed
+// still comes when the clock reaches its time, with no WaitIdle (review
+// 39: the timer was lost, its time still noted as set). And it is set
+// again if the clock moves while it is (review 41: one Reset left it late
+// by the step).
+func TestATimerFiredAsTheClockWentBackIsSetAgain(t *testing.T) {
+	for _, step := range []time.Duration{0, time.Second / 2} {
+		t.Run(fmt.Sprintf("retry, step %v", step), func(t *testing.T) {
+			clk := &driftClock{FakeClock: testclock.NewFakeClock(epoch), step: step}
+			var handled atomic.Int32
+			h := newHarness(t, HandlerFunc(func(context.Context, any) error { handled.Add(1); return nil }), WithClock(clk))
+			h.m.Backoff("k", ev{"k", 1})
+			h.settled(t)
+			due, ok := h.m.NextRetry()
+			require.True(t, ok)
+			fireBackThenStepInPass(t, h, clk, due)
+			require.True(t, clk.HasWaiters(), "a key waits in backoff: its timer is on the clock")
+			require.Zero(t, handled.Load(), "not due yet")
+			clk.FakeClock.SetTime(due) // no WaitIdle
+			waitFor(t, func() bool { return handled.Load() == 1 }, "the retry at its due time")
+		})
+		t.Run(fmt.Sprintf("deadline, step %v", step), func(t *testing.T) {
+			clk := &driftClock{FakeClock: testclock.NewFakeClock(epoch), step: step}
+			entered := make(chan context.Context, 1)
+			h := newHarness(t, HandlerFunc(func(ctx context.Context, _ any) error {
+				entered <- ctx
+				<-ctx.Done()
+				return nil
+			}), WithClock(clk), WithHandleTimeout(10*time.Second))
+			h.submit(t, ev{"a", 1})
+			ctx := <-entered
+			deadline, _ := ctx.Deadline()
+			fireBackThenStepInPass(t, h, clk, deadline)
+			require.NoError(t, ctx.Err(), "the clock is before the deadline")
+			clk.FakeClock.SetTime(deadline)
+			waitFor(t, func() bool { return ctx.Err() != nil }, "the call's ctx ends at its deadline")
+		})
+	}
 }
 
 // The same for a stale fire, whose pass moves the pending timer: a step
@@ -744,19 +706,7 @@ func TestAStaleFireAcrossAStepLeavesTheTimerOnTime(t *testing.T) {
 		}
 		return nil
 	}), WithClock(clk), WithBackoff(time.Second, time.Hour), WithHandleTimeout(0))
-	h.m.Backoff("k", ev{"k", 1})
-	h.settled(t)
-	due, ok := h.m.NextRetry()
-	require.True(t, ok)
-	h.m.mu.Lock()
-	fired := h.m.sched.timer.C()
-	clk.FakeClock.SetTime(due)
-	waitFor(t, func() bool { return len(fired) == 0 }, "the scheduler took the fire and waits for mu")
-	h.m.reconcile()                                               // replays k: nothing left to time, the timer stops
-	_, err := h.m.accept("z", item{event: ev{"z", 1}}, backedOff) // Backoff's steps, under the same hold
-	require.NoError(t, err)
-	h.m.reconcile() // the timer is set for z
-	zDue := h.m.sched.at
+	zDue := staleFire(t, h, clk.FakeClock.SetTime)
 	clk.left.Store(1)
 	h.m.mu.Unlock()
 	waitFor(t, func() bool { return clk.left.Load() <= 0 }, "the stale pass moved the timer")
