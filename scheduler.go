@@ -72,9 +72,10 @@ func (m *Monitor) retime() {
 // a fake clock's Step blocks on a second, and looked at anew, as it may be
 // this setting's. A timer counts from the clock's time when it is set, not
 // from now: a fake clock stepped in between leaves it late, so it is set
-// again while the clock moved (a real clock moves nanoseconds: near
-// enough). A test stepping during every try sees its retry at its next
-// Step, or at WaitIdle, which finds the timer overdue. mu is held.
+// again while the clock moved a microsecond or more (a real clock moves
+// nanoseconds: near enough). A test stepping during every try, or by less
+// than a microsecond, sees its retry at its next Step, or at WaitIdle,
+// which sets the timer right or finds it overdue. mu is held.
 func (m *Monitor) arm(at time.Time) {
 	s := &m.sched
 	var now time.Time
