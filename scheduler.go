@@ -79,7 +79,7 @@ func (m *Monitor) retime() {
 func (m *Monitor) arm(at time.Time) {
 	s := &m.sched
 	var now time.Time
-	look := false
+	drained := false
 	for tries := 0; tries < 4; tries++ {
 		now = m.cfg.clock.Now()
 		if s.timer == nil {
@@ -87,15 +87,17 @@ func (m *Monitor) arm(at time.Time) {
 			m.watchers.Add(1)
 			go m.schedule(s.timer.C())
 		} else if !s.timer.Reset(at.Sub(now)) && s.drain() {
-			look = true
+			drained = true
 		}
 		if m.cfg.clock.Since(now) < time.Microsecond {
 			break
 		}
 	}
 	s.at = at
-	if look || !at.After(now) {
-		m.poke() // and a fake clock's timer set for a time passed never fires
+	// A drained fire may be this setting's, and a fake clock's timer set
+	// for a time passed never fires: the scheduler looks now.
+	if drained || !at.After(now) {
+		m.poke()
 	}
 }
 
