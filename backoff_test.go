@@ -1,6 +1,7 @@
 package eventmonitor
 
 import (
+	"context"
 	"testing"
 	"time"
 
@@ -176,6 +177,56 @@ func TestForgetReturnsTheBackoffQueue(t *testing.T) {
 	h.submit(t, ev{"b", 1})
 	h.settled(t)
 	assert.Equal(t, anys(ev{"b", 1}), r.handledList())
+}
+
+// Forget during a replay's first call takes what was queued, but the key
+// stays in backoff until the call ends (review 42): the replay goes on, its
+// call the last, and a failure doubles the delay as without Forget. A
+// Shutdown whose ctx has ended abandons the call, which ends the replay.
+func TestForgetDuringAReplaysCallLeavesItTheReplays(t *testing.T) {
+	for _, end := range []string{"handled", "failed", "abandoned"} {
+		t.Run(end, func(t *testing.T) {
+			r := newRecorder()
+			h := newHarness(t, r, WithBackoff(time.Second, time.Minute), WithHandleTimeout(0))
+			r.fail(ev{"a", 1}, 1)
+			if end == "failed" {
+				r.fail(ev{"a", 1}, 2)
+			}
+			h.submit(t, ev{"a", 1})
+			h.settled(t)
+			h.submit(t, ev{"a", 2}) // part of the replay
+			started, release := r.gate(ev{"a", 1})
+			defer release()
+			h.clock.Step(time.Second)
+			<-started
+			require.Equal(t, anys(ev{"a", 2}), h.m.Forget("a"))
+			s := h.m.Stats()
+			assertBalanced(t, s)
+			require.True(t, h.m.InBackoff("a"), "replaying, with no event left")
+			require.Equal(t, [2]int{1, 0}, [2]int{s.KeysInBackoff, s.EventsInBackoff})
+			switch end {
+			case "abandoned":
+				ctx, cancel := context.WithCancel(context.Background())
+				cancel()
+				require.ErrorIs(t, h.m.Shutdown(ctx), context.Canceled)
+				s := h.m.Stats()
+				assertBalanced(t, s)
+				require.Equal(t, [3]uint64{1, 1, 0}, [3]uint64{s.Dropped, s.Forgotten, uint64(s.KeysInBackoff + s.InFlight)})
+				require.False(t, h.m.InBackoff("a"))
+				return
+			case "handled":
+				release()
+				h.settled(t)
+				require.False(t, h.m.InBackoff("a"))
+				return
+			}
+			release()
+			h.settled(t)
+			p := h.pending("a")
+			require.Equal(t, [2]any{anys(ev{"a", 1}), 2}, [2]any{p.Events, p.Attempts})
+			require.Equal(t, h.clock.Now().Add(2*time.Second), p.Due, "the replay failed on its first event: doubled")
+		})
+	}
 }
 
 func TestDueHeapOrdersManyKeys(t *testing.T) {

@@ -38,8 +38,8 @@ package eventmonitor
 //   - one goroutine per key: keyq's Running phase, entered only by Take (a
 //     worker, call.go) and TakeAlone (an exit's watcher, exitmonitor.go) and
 //     left only as the call settles (settle, release); an overrunning call
-//     gives its slot away but keeps its key (replaceStuck), and Stop
-//     abandons it with its key still held (abandon);
+//     gives its slot away but keeps its key (replaceStuck); Stop abandons
+//     it (abandon), ending its key's call: a stopped monitor starts none;
 //   - nothing vanishes: the identity in stats.go. An event enters it in
 //     accept or refuse (or ingest, for an envelope not queued) and leaves it
 //     in settle, drop or Forget; in between it is in keyq or in a call, from

@@ -255,7 +255,8 @@ func (m *Monitor) InBackoff(key string) bool {
 
 // Forget removes and returns, in order, every event of key not yet started
 // (in backoff or waiting for a worker), for when the object behind key is
-// gone. A call in progress goes on; if it fails, its event backs off.
+// gone. A call in progress goes on, a replay's keeping its key in backoff
+// until it ends; if it fails, its event backs off as without Forget.
 func (m *Monitor) Forget(key string) []any {
 	m.mu.Lock()
 	defer m.mu.Unlock()

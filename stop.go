@@ -72,7 +72,8 @@ func (m *Monitor) beginStop(cutsDrain bool) {
 
 // abandon gives up, at Stop, on the calls in the given stages whose
 // handler is still running (see returned): their events are dropped, saying
-// why, and their goroutines leave unseen. It returns how many. mu is held.
+// why, their keys' calls end, and their goroutines leave unseen. It
+// returns how many. mu is held.
 func (m *Monitor) abandon(why string, stages ...stage) (gaveUp int) {
 	before := len(m.calls)
 	m.calls = slices.DeleteFunc(m.calls, func(c *call) bool {
@@ -85,6 +86,7 @@ func (m *Monitor) abandon(why string, stages ...stage) (gaveUp int) {
 		}
 		c.stage = abandoned
 		m.abandonedDrops = append(m.abandonedDrops, m.drop(c.key.Name(), reason, c.it)...)
+		m.keys.Done(c.key) // no other call starts: the monitor is stopped
 		return true
 	})
 	if gaveUp = before - len(m.calls); gaveUp > 0 {

@@ -29,6 +29,9 @@
 //	                  (a Running key waits once its call ends); waiting:
 //	                  keeps its due time; replaying: waits again once the
 //	                  replay is done, due the initial delay from the push
+//	Forget            the key leaves backoff, at once if no replay's call
+//	                  runs, else when that call ends: it is the replay's
+//	                  last, and its failure is the replay's, as above
 package keyq
 
 import (
@@ -226,7 +229,8 @@ func (s *Set[T]) Replay(k *Key[T]) {
 }
 
 // Forget removes and returns key's queued events, in order; the key leaves
-// backoff. A Running key stays Running until its call ends.
+// backoff, as the package doc says. A Running key stays Running until its
+// call ends.
 func (s *Set[T]) Forget(name string) []T {
 	k := s.keys[name]
 	if k == nil {
@@ -234,10 +238,16 @@ func (s *Set[T]) Forget(name string) []T {
 	}
 	s.uncount(k)
 	items := k.items
-	if k.phase != Running {
+	switch {
+	case k.phase != Running:
 		s.moveTo(k, Idle) // first: the heap orders keys by their backoff's due time
+		k.backoff = nil
+	case k.backoff != nil && k.inReplayCall():
+		k.backoff.replayLeft, k.backoff.next = 0, time.Time{}
+	default:
+		k.backoff = nil
 	}
-	k.items, k.backoff = nil, nil
+	k.items = nil
 	s.count(k)
 	return items
 }

@@ -284,6 +284,32 @@ func TestJitter(t *testing.T) {
 	require.Equal(t, t0.Add(1), New[int](Delays{Initial: sec, Jitter: 1, Rand: rnd}).PushBackoff("a", 1, t0).Due())
 }
 
+// Forget during a replay's call takes every queued event, a PushBackoff's
+// during the replay too, but the key stays in backoff until the call ends,
+// the replay's last: its failure doubles the delay as any replay's first.
+func TestForgetDuringReplay(t *testing.T) {
+	for _, fail := range []bool{false, true} {
+		s := New[int](testDelays)
+		k := s.Push("a", 1)
+		s.Push("a", 2)
+		take(t, s, "a", 1, false)
+		s.Failed(k, 1, t0)
+		s.Replay(k)
+		take(t, s, "a", 1, true)
+		s.PushBackoff("a", 3, t0.Add(sec))
+		require.Equal(t, []int{2, 3}, s.Forget("a"))
+		is(t, s, k, Running, sec) // replaying, with no event left
+		if fail {
+			s.Failed(k, 1, t0.Add(2*sec))
+			require.Equal(t, 2*sec, k.Delay())
+			is(t, s, k, Waiting, 4*sec, 1)
+		} else {
+			s.Done(k)
+			is(t, s, k, Idle, none)
+		}
+	}
+}
+
 // mkey is the reference model of one key; call is its call's event.
 type mkey struct {
 	events                             []int
@@ -425,6 +451,10 @@ func (m *model) step(op, arg byte) {
 		require.Equal(t, norm(mk.events), norm(got), "Forget(%s)", name)
 		for _, ev := range got {
 			m.end(ev)
+		}
+		if mk.backoff && mk.inCall { // the replay ends with its call
+			mk.events, mk.replayLeft, mk.next = nil, 0, time.Time{}
+			return
 		}
 		if *mk = (mkey{phase: mk.phase, call: mk.call}); mk.phase != Running {
 			m.set(name, mk, Idle)
