@@ -126,6 +126,24 @@ func TestStreamIntakeFiltersConvertsAndDrops(t *testing.T) {
 	assert.False(t, open, "the error channel closes after the stream error")
 }
 
+// A converter's error makes no event, even with a value beside it: the
+// Drop says none was made (review 42).
+func TestAConvertersErrorMakesNoEvent(t *testing.T) {
+	conv := ConverterFunc(func(typeurl.Any) (string, any, error) {
+		return "k", "half-decoded", errors.New("bad bytes")
+	})
+	stream := newFakeStream()
+	h := newHarness(t, newRecorder(), WithConverter(conv))
+	h.m.Subscribe(stream)
+	h.m.Start()
+	(<-stream.newSub).send(t, envelope(t, "ns", wrapperspb.String("x")))
+	waitFor(t, func() bool { return len(h.drops.all()) == 1 }, "dropped")
+	d := h.drops.all()[0]
+	require.ErrorIs(t, d.Reason, ErrDecode)
+	require.Nil(t, d.Events, "%v", d)
+	require.Equal(t, uint64(1), h.m.Stats().Dropped)
+}
+
 func TestStopClosesStartsChannel(t *testing.T) {
 	h := newHarness(t, newRecorder(), WithConverter(testConverter))
 	stream := newFakeStream()
