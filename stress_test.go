@@ -11,7 +11,8 @@ package eventmonitor_test
 //     to the drop handler, or returned by Forget; every refused one never
 //     reached the handler or the drop handler;
 //   - every Stats snapshot, taken concurrently all along, satisfies the
-//     accounting identity, and the final one agrees with the test's counts;
+//     accounting identity, and the final one agrees with the test's counts
+//     and with what Metrics heard;
 //   - no goroutine outlives the monitor.
 //
 // Variants: "deadlines" (WithHandleTimeout(50ms), WithMaxAttempts(5): drops
@@ -784,6 +785,13 @@ func exitStep(ctx context.Context, m *eventmonitor.Monitor, v *violations, rng *
 	return true
 }
 
+// stressMetrics counts what Metrics hears, for the final Stats to match.
+type stressMetrics struct{ calls, dropped atomic.Uint64 }
+
+func (s *stressMetrics) HandlerDone(time.Duration, error) { s.calls.Add(1) }
+func (s *stressMetrics) Recovered(time.Duration)          {}
+func (s *stressMetrics) Dropped(_ error, events int)      { s.dropped.Add(uint64(events)) }
+
 func runStress(t *testing.T, seed int64, cfg stressConfig) {
 	t.Logf("seed %d (rerun with -stress.seed=%d or STRESS_SEED=%d); %+v", seed, seed, seed, cfg)
 	rng := rand.New(rand.NewPCG(uint64(seed), 1<<63))
@@ -794,6 +802,7 @@ func runStress(t *testing.T, seed int64, cfg stressConfig) {
 	logger := logrus.New()
 	logger.SetOutput(io.Discard) // panics log their stacks
 
+	metrics := &stressMetrics{}
 	m, err := eventmonitor.New(h,
 		eventmonitor.WithBackoff(time.Millisecond, 8*time.Millisecond),
 		eventmonitor.WithJitter(0.5),
@@ -803,6 +812,7 @@ func runStress(t *testing.T, seed int64, cfg stressConfig) {
 		eventmonitor.WithMaxQueuedPerKey(cfg.maxQueued),
 		eventmonitor.WithDropHandler(l.dropped),
 		eventmonitor.WithLogger(logrus.NewEntry(logger)),
+		eventmonitor.WithMetrics(metrics),
 	)
 	if err != nil {
 		t.Fatal(err)
@@ -896,6 +906,12 @@ func runStress(t *testing.T, seed int64, cfg stressConfig) {
 	}
 	if s.Forgotten != tot.forgotten {
 		v.add("final Stats(): Forgotten %d, but Forget returned %d events", s.Forgotten, tot.forgotten)
+	}
+	if got := metrics.dropped.Load(); got != s.Dropped {
+		v.add("final Stats(): Dropped %d, but Metrics.Dropped counted %d events", s.Dropped, got)
+	}
+	if got := metrics.calls.Load(); got != s.Handled+s.Failed {
+		v.add("final Stats(): Handled+Failed %d, but Metrics.HandlerDone heard %d calls", s.Handled+s.Failed, got)
 	}
 	if s.Failed > tot.failures || s.Failed < tot.failures-tot.lateFailures {
 		v.add("final Stats(): Failed %d, but handlers failed %d times (%d of them late)", s.Failed, tot.failures, tot.lateFailures)
