@@ -151,10 +151,10 @@ func (m *Monitor) convert(env *Envelope) (key string, event any, ignored bool, e
 		case err != nil && !ignored && !errors.Is(err, ErrDecode) && !errors.Is(err, ErrInvalidEvent):
 			err = fmt.Errorf("%w: %w", ErrDecode, err) // a Drop's reason wraps a sentinel
 		}
-		if err != nil {
-			event = nil // not an event, whatever came beside the error: its Drop holds none
-		}
 		return err
 	})
+	if err != nil {
+		event = nil // not an event, whatever came beside the error: its Drop holds none
+	}
 	return key, event, ignored, err
 }

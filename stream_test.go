@@ -127,22 +127,33 @@ func TestStreamIntakeFiltersConvertsAndDrops(t *testing.T) {
 }
 
 // A converter's error makes no event, even with a value beside it: the
-// Drop says none was made (review 42).
+// Drop says none was made (review 42), also when the error's Is panics in
+// errors.Is (review 43).
 func TestAConvertersErrorMakesNoEvent(t *testing.T) {
-	conv := ConverterFunc(func(typeurl.Any) (string, any, error) {
-		return "k", "half-decoded", errors.New("bad bytes")
-	})
-	stream := newFakeStream()
-	h := newHarness(t, newRecorder(), WithConverter(conv))
-	h.m.Subscribe(stream)
-	h.m.Start()
-	(<-stream.newSub).send(t, envelope(t, "ns", wrapperspb.String("x")))
-	waitFor(t, func() bool { return len(h.drops.all()) == 1 }, "dropped")
-	d := h.drops.all()[0]
-	require.ErrorIs(t, d.Reason, ErrDecode)
-	require.Nil(t, d.Events, "%v", d)
-	require.Equal(t, uint64(1), h.m.Stats().Dropped)
+	for _, c := range []struct {
+		err  error
+		want error
+	}{{errors.New("bad bytes"), ErrDecode}, {panicIsErr{}, ErrInvalidEvent}} {
+		conv := ConverterFunc(func(typeurl.Any) (string, any, error) { return "k", "half-decoded", c.err })
+		stream := newFakeStream()
+		h := newHarness(t, newRecorder(), WithConverter(conv))
+		h.m.Subscribe(stream)
+		h.m.Start()
+		(<-stream.newSub).send(t, envelope(t, "ns", wrapperspb.String("x")))
+		waitFor(t, func() bool { return len(h.drops.all()) == 1 }, "dropped")
+		d := h.drops.all()[0]
+		require.ErrorIs(t, d.Reason, c.want)
+		require.Nil(t, d.Events, "%v", d)
+		require.Equal(t, uint64(1), h.m.Stats().Dropped)
+		h.m.Stop()
+	}
 }
+
+// panicIsErr is an error whose Is panics.
+type panicIsErr struct{}
+
+func (panicIsErr) Error() string { return "bad bytes" }
+func (panicIsErr) Is(error) bool { panic("Is panicked") }
 
 func TestStopClosesStartsChannel(t *testing.T) {
 	h := newHarness(t, newRecorder(), WithConverter(testConverter))
