@@ -26,7 +26,8 @@ func (m *Monitor) NextRetry() (time.Time, bool) {
 // retry (none if no key waits: only Run, waiting to re-subscribe or before
 // a resync, may then hold a fake clock's waiter).
 // Keys waiting for a later retry remain (see NextRetry). It returns ctx's
-// error if ctx ends first, ErrStopped if Stop began while work was left. A
+// error if ctx ends first, and ErrStopped if Stop (or Shutdown's stop)
+// began while it waited and work was left, or work is left as it stops. A
 // held monitor (WithDeferredStart) is idle with its events queued, and
 // times no retry; an overrunning call keeps it busy until it returns.
 //
@@ -40,8 +41,8 @@ func (m *Monitor) WaitIdle(ctx context.Context) error {
 	defer done()
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	for {
-		idle := len(m.calls) == 0 && m.accepting == 0 && (m.state == held || !m.keys.HasReady())
+	for waited := false; ; waited = true {
+		idle := m.idle()
 		if idle && !m.sched.at.IsZero() {
 			// A fire the scheduler has yet to see, the clock set back
 			// since, left the timer off the clock: put it back (in place
@@ -50,6 +51,8 @@ func (m *Monitor) WaitIdle(ctx context.Context) error {
 		}
 		overdue := m.sched.overdue(m.cfg.clock.Now())
 		switch {
+		case m.state == stopped && waited && m.atStop.busy:
+			return ErrStopped // the stop may have emptied it since: idle now says nothing
 		case idle && !overdue:
 			return nil
 		case m.state == stopped:
@@ -61,6 +64,12 @@ func (m *Monitor) WaitIdle(ctx context.Context) error {
 		}
 		m.cond.Wait()
 	}
+}
+
+// idle reports whether no work is left that WaitIdle waits for, but a
+// timer overdue. mu is held.
+func (m *Monitor) idle() bool {
+	return len(m.calls) == 0 && m.accepting == 0 && (m.state == held || !m.keys.HasReady())
 }
 
 // waitingOn derives from a caller's ctx one that a waiter on cond may read

@@ -469,3 +469,25 @@ func TestCallersContextIsNotReadUnderTheLock(t *testing.T) {
 	require.False(t, waitIdle, "WaitIdle called its ctx's Err under the monitor's lock")
 	require.False(t, ctx.underLock.Load(), "Shutdown called its ctx's Err under the monitor's lock")
 }
+
+// A WaitIdle waiting on an overrunning call returns ErrStopped when Stop
+// abandons it with an event queued behind it, though by the time it wakes
+// the stop may have emptied the monitor (review 43); a WaitIdle called
+// after the stop finds it idle.
+func TestWaitIdleAcrossAStopThatAbandonsWork(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithHandleTimeout(time.Second))
+	started, release := r.gate(ev{"a", 1})
+	defer release()
+	h.submit(t, ev{"a", 1}, ev{"a", 2})
+	<-started
+	h.clock.Step(2 * time.Second)
+	waitFor(t, func() bool { return h.m.Stats().Overrunning == 1 }, "the call overruns")
+	idle := make(chan error, 1)
+	go func() { idle <- h.m.WaitIdle(context.Background()) }()
+	waitFor(t, func() bool { return goroutinesIn("sync.(*Cond).Wait", ").WaitIdle(") == 1 }, "WaitIdle waits")
+	h.m.Stop()
+	require.ErrorIs(t, <-idle, ErrStopped)
+	require.NoError(t, h.m.WaitIdle(context.Background()))
+	require.Equal(t, uint64(2), h.m.Stats().Dropped)
+}
