@@ -9,7 +9,8 @@
 //   - Ordered: events of one key are handled one at a time, in the order
 //     accepted. While a key is in backoff, its new events queue behind it.
 //   - One path per key: no two handler calls for a key ever overlap, not even
-//     when a call overruns its timeout; the key stays held until it returns.
+//     when a call overruns its timeout; the key stays held until it returns
+//     (or Stop abandons it: a stopped monitor calls nothing more).
 //   - Parallel and fair: with WithWorkers(n), up to n keys are handled at
 //     once, taking turns one event at a time, so a slow or busy key never
 //     holds up another for long, and not at all while a worker is free

@@ -12,7 +12,9 @@
 //	Waiting  in backoff, in the heap until its due time
 //
 // Only Take and TakeAlone move a key to Running and only a call's end
-// (Done, Failed) moves it out again, so a key is never on two goroutines.
+// (Done, Failed) moves it out again, so a key is never on two goroutines
+// (the monitor ends a call it abandons at Stop while its goroutine runs
+// on, but takes no key once stopped).
 //
 // Backoff, rule by rule; a due time is the time passed in plus a delay:
 //
