@@ -491,3 +491,52 @@ func TestWaitIdleAcrossAStopThatAbandonsWork(t *testing.T) {
 	require.NoError(t, h.m.WaitIdle(context.Background()))
 	require.Equal(t, uint64(2), h.m.Stats().Dropped)
 }
+
+// Stop's abandon ends a stuck call's key while its handler runs on (review
+// 43): nothing may call the key again, not an exit, a Submit, a Backoff, a
+// Forget, nor a second Shutdown or Stop during the stop.
+func TestAnAbandonedCallsKeyGetsNoSecondCall(t *testing.T) {
+	var x exclusive
+	stuck, entered := make(chan struct{}), make(chan struct{}, 1)
+	var afterStop atomic.Bool
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		defer x.enter(keyOf(e))()
+		if afterStop.Load() {
+			t.Errorf("%v handled after Stop returned", e)
+		}
+		if asEv(e).Seq == 1 {
+			entered <- struct{}{}
+			<-stuck
+		}
+		return nil
+	}), WithWorkers(2), WithHandleTimeout(time.Second))
+	defer close(stuck)
+	h.submit(t, ev{"a", 1}, ev{"a", 2})
+	<-entered
+	h.clock.Step(2 * time.Second)
+	waitFor(t, func() bool { return h.m.Stats().Overrunning == 1 }, "the call overruns")
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			exit := make(chan fakeExit, 1)
+			exit <- fakeExit{}
+			<-WatchExit(context.Background(), h.m, "a", exit, func(uint32, time.Time) any { return ev{"a", 100} })
+			_ = h.m.Submit("a", ev{"a", 101})
+			h.m.Backoff("a", ev{"a", 102})
+			h.m.Forget("a")
+			ended, cancel := context.WithCancel(context.Background())
+			cancel()
+			_ = h.m.Shutdown(ended)
+			h.m.Stop()
+		}()
+	}
+	h.m.Stop()
+	afterStop.Store(true)
+	wg.Wait()
+	require.False(t, x.twice.Load(), "key a on two goroutines")
+	s := h.m.Stats()
+	assertBalanced(t, s)
+	require.Zero(t, s.Queued+s.KeysInBackoff+s.EventsInBackoff+s.InFlight+s.Overrunning, "%+v", s)
+}
