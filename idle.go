@@ -25,11 +25,15 @@ func (m *Monitor) NextRetry() (time.Time, bool) {
 // no replay due at the clock's now, and a timer set no later than the next
 // retry (none if no key waits: only Run, waiting to re-subscribe or before
 // a resync, may then hold a fake clock's waiter).
-// Keys waiting for a later retry remain (see NextRetry). It returns ctx's
-// error if ctx ends first, and ErrStopped if Stop (or Shutdown's stop)
-// began while it waited and work was left, or work is left as it stops. A
-// held monitor (WithDeferredStart) is idle with its events queued, and
-// times no retry; an overrunning call keeps it busy until it returns.
+// Keys waiting for a later retry remain (see NextRetry). A held monitor
+// (WithDeferredStart) is idle with its events queued, and times no retry;
+// an overrunning call keeps it busy until it returns.
+//
+// It returns ctx's error if ctx ends first, and ErrStopped if a stop (Stop,
+// or Shutdown's) began while it waited with such work left, or if the
+// monitor is stopping with work left: the stop may have finished that work
+// or dropped it (the drop handler and Stats say which). Once a stop has
+// emptied the monitor, WaitIdle returns nil.
 //
 // It is the sync point of fake-clock tests: Submit, WaitIdle, step the
 // clock to NextRetry, WaitIdle again (see package eventmonitortest). An

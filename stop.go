@@ -58,7 +58,7 @@ func (m *Monitor) beginStop(cutsDrain bool) {
 		return
 	}
 	m.atStop = atStop{cut: cutsDrain && shutdownCalled && !m.drainDone(), reading: m.stream.reader == consuming,
-		left: m.keys.Events(), calls: slices.Clone(m.calls), busy: !m.idle()}
+		left: m.keys.Events(), calls: slices.Clone(m.calls), busy: !m.idle() || m.sched.overdue(m.cfg.clock.Now())}
 	m.state = stopped
 	close(m.stopping)
 	for _, c := range m.calls {
@@ -185,7 +185,7 @@ type atStop struct {
 	left    int     // events queued, which the stop drops
 	calls   []*call // in progress or being settled
 	running int     // of the calls, those whose handler had not returned and had not overrun
-	busy    bool    // not idle, as WaitIdle means it
+	busy    bool    // work WaitIdle waits for was left: not idle, or a replay due
 }
 
 // drainOutcome is what a Shutdown's drain left as the stop began, and what

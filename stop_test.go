@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/containerd/typeurl/v2"
+	"github.com/sirupsen/logrus"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
@@ -483,13 +484,60 @@ func TestWaitIdleAcrossAStopThatAbandonsWork(t *testing.T) {
 	<-started
 	h.clock.Step(2 * time.Second)
 	waitFor(t, func() bool { return h.m.Stats().Overrunning == 1 }, "the call overruns")
-	idle := make(chan error, 1)
-	go func() { idle <- h.m.WaitIdle(context.Background()) }()
-	waitFor(t, func() bool { return goroutinesIn("sync.(*Cond).Wait", ").WaitIdle(") == 1 }, "WaitIdle waits")
+	idle := sleepingWaitIdle(t, h)
 	h.m.Stop()
 	require.ErrorIs(t, <-idle, ErrStopped)
 	require.NoError(t, h.m.WaitIdle(context.Background()))
 	require.Equal(t, uint64(2), h.m.Stats().Dropped)
+}
+
+// A replay due at the clock's now is work WaitIdle waits for: one asleep on
+// it returns ErrStopped when a stop drops it before the scheduler's pass
+// (review 44). A hook holds the scheduler in its overrun line meanwhile.
+func TestWaitIdleAcrossAStopThatDropsADueReplay(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithHandleTimeout(time.Second), WithBackoff(10*time.Second, time.Minute), WithWorkers(2))
+	hook := newBlockHook(logrus.WarnLevel, "overran its timeout")
+	h.m.cfg.logger.Logger.AddHook(hook)
+	r.fail(ev{"b", 1}, 1)
+	h.submit(t, ev{"b", 1})
+	h.settled(t)
+	due, _ := h.m.NextRetry()
+	started, release := r.gate(ev{"a", 1})
+	defer release()
+	h.submit(t, ev{"a", 1})
+	<-started
+	h.clock.Step(1100 * time.Millisecond) // a/1 overruns: the scheduler logs it
+	awaitClosed(t, hook.blocked, "the scheduler's overrun line")
+	unhook := sync.OnceFunc(func() { close(hook.release) })
+	defer unhook()
+	release()
+	waitFor(t, func() bool { // a/1 is released (white-box: Stats counts a settling call out)
+		h.m.mu.Lock()
+		defer h.m.mu.Unlock()
+		return len(h.m.calls) == 0
+	}, "a/1 is released")
+	h.clock.SetTime(due) // b's replay is due; the scheduler cannot look
+
+	idle := sleepingWaitIdle(t, h)
+	stopped := make(chan struct{})
+	go func() { h.m.Stop(); close(stopped) }()
+	require.ErrorIs(t, <-idle, ErrStopped)
+	unhook()
+	<-stopped
+	reason, found := dropReason(h, ev{"b", 1})
+	require.True(t, found)
+	require.ErrorIs(t, reason, ErrStopped)
+}
+
+// sleepingWaitIdle calls WaitIdle in a goroutine, returning once it waits
+// on cond.
+func sleepingWaitIdle(t *testing.T, h *harness) <-chan error {
+	before := goroutinesIn("sync.(*Cond).Wait", ").WaitIdle(")
+	idle := make(chan error, 1)
+	go func() { idle <- h.m.WaitIdle(context.Background()) }()
+	waitFor(t, func() bool { return goroutinesIn("sync.(*Cond).Wait", ").WaitIdle(") == before+1 }, "WaitIdle waits")
+	return idle
 }
 
 // Stop's abandon ends a stuck call's key while its handler runs on (review
