@@ -58,7 +58,8 @@ func (m *Monitor) beginStop(cutsDrain bool) {
 		return
 	}
 	m.atStop = atStop{cut: cutsDrain && shutdownCalled && !m.drainDone(), reading: m.stream.reader == consuming,
-		left: m.keys.Events(), calls: slices.Clone(m.calls), busy: !m.idle() || m.sched.overdue(m.cfg.clock.Now())}
+		left: m.keys.Events(), calls: slices.Clone(m.calls),
+		busy: !m.idle() || m.sched.overdue(m.cfg.clock.Now())}
 	m.state = stopped
 	close(m.stopping)
 	for _, c := range m.calls {
