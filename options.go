@@ -126,10 +126,12 @@ func WithResubscribe(initial, max time.Duration) Option {
 // what the stream missed: beside reading a new subscription once established
 // (it delivered an event, or was not refused within the initial resubscribe
 // delay, so a Subscriber should report a refusal at once), with a ctx
-// ending with it. Run waits for fn to return, so fn must heed its ctx. A
-// window remains: containerd registers a subscriber milliseconds after
-// accepting it, and an event published then is missed (by fn too if undone
-// first); periodic relist.Relister.Run closes it.
+// ending with it. An outage is a broken stream, or the time since an earlier
+// Run returned. Run waits for fn to return, so fn must heed its ctx. An
+// error fn returns is logged, not retried. A window remains: containerd
+// registers a subscriber milliseconds after accepting it, and an event
+// published then is missed (by fn too if undone first); periodic
+// relist.Relister.Run closes it, and what a failed fn missed.
 func WithResync(fn func(ctx context.Context) error) Option {
 	return func(c *config) { c.resync = fn }
 }

@@ -13,6 +13,7 @@ type streamState struct {
 	reader      reader
 	subscribed  *subscription   // by Subscribe, for Start
 	ignoredURLs map[string]bool // type URLs ignored so far, for logging once
+	ran         bool            // a Run has read a stream: a later Run's first subscription follows an outage
 }
 
 // reader is where the one stream reader, a Run or a Start with a
@@ -139,15 +140,13 @@ func (m *Monitor) setReader(r reader) {
 // Run returns ErrAlreadyRunning at once while a Run or Start is reading a
 // stream, ErrNoConverter without WithConverter, nil when ctx ends, and
 // ErrStopped once Shutdown or Stop is called (Shutdown's drain goes on). It
-// may be called again after it returned. Returning does not stop the monitor:
-// Shutdown or Stop does.
+// may be called again after it returned: the time between counts as an
+// outage. Returning does not stop the monitor: Shutdown or Stop does.
 func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) error {
 	if isNil(s) {
 		return fmt.Errorf("%w: Run needs a subscriber", ErrInvalidOption)
 	}
-	m.mu.Lock()
-	err := m.beginReading()
-	m.mu.Unlock()
+	outage, err := m.beginRun()
 	if err != nil {
 		return err
 	}
@@ -159,7 +158,7 @@ func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) erro
 
 	ended := func() bool { return runCtx.Err() != nil || m.intakeEnded() } // runCtx ends an instant after intake
 	delay := m.cfg.resubInitial
-	for outage := false; ; outage = true {
+	for ; ; outage = true {
 		delivered, err := m.runOnce(runCtx, s, filters, outage)
 		if ended() {
 			break
@@ -189,6 +188,19 @@ func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) erro
 		return ErrStopped
 	}
 	return nil
+}
+
+// beginRun takes the stream reader's place for Run, reporting whether an
+// earlier Run read a stream: what was published since it returned went
+// unread, an outage to resync.
+func (m *Monitor) beginRun() (outage bool, err error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if err = m.beginReading(); err != nil {
+		return false, err
+	}
+	outage, m.stream.ran = m.stream.ran, true
+	return outage, nil
 }
 
 // runOnce reads one subscription of Run's until it breaks or ctx ends; after

@@ -286,6 +286,37 @@ func TestRunResubscribesWithBackoff(t *testing.T) {
 	require.NoError(t, h.m.Submit("still", ev{"still", 1}), "Run returning does not stop the monitor")
 }
 
+// A Run called again after one returned (its ctx ended while the stream
+// was broken, or not) resyncs once its subscription is established: what
+// was published in between went unread (review 45). The first Run does not.
+func TestARunAfterARunResyncs(t *testing.T) {
+	clk := newSignallingClock()
+	resyncs := make(chan struct{}, 4)
+	h := newHarness(t, newRecorder(), WithConverter(testConverter), withSignallingClock(clk),
+		WithResubscribe(100*time.Millisecond, time.Second),
+		WithResync(func(context.Context) error { resyncs <- struct{}{}; return nil }))
+	stream := newFakeStream()
+	ran := make(chan error, 1)
+	for i, broken := range []bool{true, false, false} {
+		ctx, cancel := context.WithCancel(context.Background())
+		go func() { ran <- h.m.Run(ctx, stream) }()
+		sub := <-stream.newSub
+		sub.send(t, envelope(t, "ns", wrapperspb.String(fmt.Sprint("c", i)))) // established
+		want := min(i, 1)
+		waitFor(t, func() bool { return h.m.Stats().Received == uint64(i+1) && len(resyncs) == want }, "delivered")
+		if broken {
+			sub.errs <- errors.New("daemon restarted")
+			clk.waitTimer(t, 100*time.Millisecond)
+		}
+		cancel()
+		require.NoError(t, awaitErr(t, ran))
+		require.Len(t, resyncs, want, "Run %d: a resync but on the first Run's first subscription", i)
+		if want > 0 {
+			<-resyncs
+		}
+	}
+}
+
 // The resync hook runs once per outage, once a new subscription is
 // established: not after attempts the runtime refused while it was down,
 // and beside the reading of the new stream.
