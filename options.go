@@ -122,16 +122,17 @@ func WithResubscribe(initial, max time.Duration) Option {
 	return func(c *config) { c.resubInitial, c.resubMax = initial, max }
 }
 
-// WithResync sets fn, called by Run once per outage so the runtime can relist
-// what the stream missed: beside reading a new subscription once established
-// (it delivered an event, or was not refused within the initial resubscribe
-// delay, so a Subscriber should report a refusal at once), with a ctx
-// ending with it. An outage is a broken stream, or the time since an earlier
-// Run returned. Run waits for fn to return, so fn must heed its ctx. An
-// error fn returns is logged, not retried. A window remains: containerd
-// registers a subscriber milliseconds after accepting it, and an event
-// published then is missed (by fn too if undone first); periodic
-// relist.Relister.Run closes it, and what a failed fn missed.
+// WithResync sets fn, which Run calls once per outage so that the runtime
+// can relist what the stream missed. An outage is a broken stream, or the
+// time since an earlier Run or Start stopped reading. fn runs beside the
+// reading of the new subscription once it is established (it delivered an
+// event, or was not refused within the initial resubscribe delay, so a
+// Subscriber should report a refusal at once), with a ctx that ends with
+// it; Run waits for fn, so fn must heed ctx. An error fn returns is
+// logged, not retried. A window remains: containerd registers a subscriber
+// milliseconds after accepting it, and an event published then is missed
+// (by fn too, if fn listed before that change); periodic
+// relist.Relister.Run closes it, and covers what a failed fn missed.
 func WithResync(fn func(ctx context.Context) error) Option {
 	return func(c *config) { c.resync = fn }
 }

@@ -13,7 +13,7 @@ type streamState struct {
 	reader      reader
 	subscribed  *subscription   // by Subscribe, for Start
 	ignoredURLs map[string]bool // type URLs ignored so far, for logging once
-	ran         bool            // a Run has read a stream: a later Run's first subscription follows an outage
+	read        bool            // a Run or Start has read a stream: a later Run's first subscription follows an outage
 }
 
 // reader is where the one stream reader, a Run or a Start with a
@@ -71,7 +71,7 @@ func (m *Monitor) Start() <-chan error {
 		m.releaseHold()
 		return m.lifetime
 	}
-	err := m.beginReading()
+	_, err := m.beginReading()
 	if err == nil {
 		m.stream.subscribed = nil
 		m.watchers.Add(1)
@@ -108,20 +108,22 @@ func (m *Monitor) endStart(sub *subscription, errCh chan<- error, err error) {
 // reader's goroutine (a converter, drop handler, log hook) ended it.
 var errReaderExited = fmt.Errorf("%w: user code ended the stream reader (runtime.Goexit)", ErrStreamClosed)
 
-// beginReading takes the one stream reader's place, for a Run or Start.
-// mu is held.
-func (m *Monitor) beginReading() error {
+// beginReading takes the one stream reader's place, for a Run or Start,
+// reporting whether a stream was read before: what was published since
+// went unread, an outage for Run to resync. mu is held.
+func (m *Monitor) beginReading() (outage bool, err error) {
 	switch {
 	case m.intakeEnded(): // Shutdown or Stop was called
-		return ErrStopped
+		return false, ErrStopped
 	case m.cfg.converter == nil:
-		return ErrNoConverter
+		return false, ErrNoConverter
 	case m.stream.reader != noReader:
-		return ErrAlreadyRunning
+		return false, ErrAlreadyRunning
 	}
 	m.stream.reader = between
+	outage, m.stream.read = m.stream.read, true
 	m.releaseHold()
-	return nil
+	return outage, nil
 }
 
 // setReader moves the stream reader to r, waking Shutdown waiting for it.
@@ -140,13 +142,15 @@ func (m *Monitor) setReader(r reader) {
 // Run returns ErrAlreadyRunning at once while a Run or Start is reading a
 // stream, ErrNoConverter without WithConverter, nil when ctx ends, and
 // ErrStopped once Shutdown or Stop is called (Shutdown's drain goes on). It
-// may be called again after it returned: the time between counts as an
-// outage. Returning does not stop the monitor: Shutdown or Stop does.
+// may be called again after it returned, or after a Start's stream broke:
+// the time between counts as an outage. Returning does not stop the monitor: Shutdown or Stop does.
 func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) error {
 	if isNil(s) {
 		return fmt.Errorf("%w: Run needs a subscriber", ErrInvalidOption)
 	}
-	outage, err := m.beginRun()
+	m.mu.Lock()
+	outage, err := m.beginReading()
+	m.mu.Unlock()
 	if err != nil {
 		return err
 	}
@@ -188,19 +192,6 @@ func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) erro
 		return ErrStopped
 	}
 	return nil
-}
-
-// beginRun takes the stream reader's place for Run, reporting whether an
-// earlier Run read a stream: what was published since it returned went
-// unread, an outage to resync.
-func (m *Monitor) beginRun() (outage bool, err error) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if err = m.beginReading(); err != nil {
-		return false, err
-	}
-	outage, m.stream.ran = m.stream.ran, true
-	return outage, nil
 }
 
 // runOnce reads one subscription of Run's until it breaks or ctx ends; after

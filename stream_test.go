@@ -936,3 +936,26 @@ func TestStartClosesSilentlyAtStopAndShutdown(t *testing.T) {
 		})
 	}
 }
+
+// A Run after a Start whose stream broke resyncs: what was published
+// between the two went unread.
+func TestARunAfterAStartResyncs(t *testing.T) {
+	resyncs := make(chan struct{}, 2)
+	h := newHarness(t, newRecorder(), WithConverter(testConverter),
+		WithResync(func(context.Context) error { resyncs <- struct{}{}; return nil }))
+	stream := newFakeStream()
+	h.m.Subscribe(stream)
+	sub := <-stream.newSub
+	started := h.m.Start()
+	sub.errs <- errors.New("daemon restarted")
+	require.Error(t, awaitErr(t, started))
+
+	ctx, cancel := context.WithCancel(context.Background())
+	ran := make(chan error, 1)
+	go func() { ran <- h.m.Run(ctx, stream) }()
+	(<-stream.newSub).send(t, envelope(t, "ns", wrapperspb.String("c"))) // established
+	waitFor(t, func() bool { return len(resyncs) == 1 }, "a resync")
+	cancel()
+	require.NoError(t, awaitErr(t, ran))
+	require.Len(t, resyncs, 1)
+}
