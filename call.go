@@ -25,12 +25,12 @@ const (
 	abandoned              // Stop gave up on it; its goroutine leaves unseen
 )
 
-// A call's progress: how far its goroutine got, moved without mu by
-// compare-and-swap. The goroutine moves it to invoked just before the
-// handler and to returned just after; Stop, abandoning a call not yet
-// invoked, moves it to withdrawn, so that it is never made once its event
-// was dropped, and abandons only a call not yet returned (a returned one
-// settles as soon as its goroutine has mu).
+// A call's progress is how far its goroutine got, written without mu:
+// notBegun, then invoked (by compare-and-swap, just before the handler),
+// then returned (just after). Stop moves a call not yet invoked to
+// withdrawn (by compare-and-swap), so that a call whose event it dropped
+// never starts, and never abandons a returned call: that one settles once
+// its goroutine has mu.
 const (
 	notBegun  int32 = iota
 	invoked         // the handler was called
@@ -38,19 +38,20 @@ const (
 	withdrawn       // abandoned before its handler began
 )
 
-// seat is which worker slot, if any, a call runs in.
-type seat uint8
+// slotUse is which worker slot, if any, a call runs in.
+type slotUse uint8
 
 const (
-	noSlot   seat = iota // an exit handled inline by its watcher
-	ownSlot              // one of the WithWorkers slots
-	gaveSlot             // it overran and gave its slot to a new worker
+	noSlot   slotUse = iota // an exit handled inline by its watcher
+	ownSlot                 // one of the WithWorkers slots
+	gaveSlot                // it overran and gave its slot to a new worker
 )
 
-// call is one handler call and the handler's ctx: a standard context
-// (cancelled at the call's end, deadline or Stop), so contexts derived from
-// it cost no goroutine, even below a context.WithValue, wrapped to report
-// the monitor clock's deadline and to give log.G the call's key.
+// call is one handler call, and also the handler's ctx. It embeds a
+// standard cancel context (cancelled at the call's end, its deadline or
+// Stop), so that contexts derived from it cost no goroutine, even below a
+// context.WithValue. Deadline reports the monitor clock's deadline, and
+// Value gives log.G the call's key.
 type call struct {
 	context.Context
 	cancel      context.CancelCauseFunc
@@ -62,8 +63,8 @@ type call struct {
 	progress    atomic.Int32    // how far its goroutine got; set without mu
 
 	// Guarded by Monitor.mu. stage: inTime, then late and overran (expire),
-	// settling (finish) or abandoned (Stop). seat: gaveSlot (replaceStuck).
-	seat  seat
+	// settling (finish) or abandoned (Stop). slot: gaveSlot (replaceStuck).
+	slot  slotUse
 	stage stage
 }
 
@@ -76,8 +77,8 @@ func (c *call) runningIn(stages ...stage) bool {
 // Deadline is the monitor clock's start plus the handle timeout.
 func (c *call) Deadline() (time.Time, bool) { return c.deadline, !c.deadline.IsZero() }
 
-// Err is DeadlineExceeded once the deadline ended the call's ctx. The
-// cause is set with the error: read after it, it is never missing.
+// Err is DeadlineExceeded once the deadline ended the call's ctx. cancel
+// sets the cause together with Err, so a Cause read after Err is there.
 func (c *call) Err() error {
 	err := c.Context.Err()
 	if err != nil && context.Cause(c.Context) == context.DeadlineExceeded {
@@ -109,8 +110,8 @@ func (m *Monitor) takeReady() *call {
 }
 
 // startCall registers a call of it for k, just taken. mu is held.
-func (m *Monitor) startCall(k *keyq.Key[item], it item, replayStart bool, s seat) *call {
-	c := &call{key: k, it: it, replayStart: replayStart, seat: s}
+func (m *Monitor) startCall(k *keyq.Key[item], it item, replayStart bool, s slotUse) *call {
+	c := &call{key: k, it: it, replayStart: replayStart, slot: s}
 	c.Context, c.cancel = context.WithCancelCause(m.base)
 	if m.cfg.handleTimeout > 0 || m.cfg.metrics != nil {
 		c.start = m.cfg.clock.Now()
@@ -156,8 +157,9 @@ func (m *Monitor) handle(c *call) (next *call) {
 
 var errHandlerExited = fmt.Errorf("%w: it panicked with nil or called runtime.Goexit (as t.FailNow does)", ErrHandlerPanic)
 
-// invoke calls the handler (ignored: its error is ErrUnsupportedEvent),
-// turning a panic into ErrHandlerPanic, one in errors.Is too.
+// invoke calls the handler and reports whether its error wraps
+// ErrUnsupportedEvent (ignored). A panic, in the handler or in errors.Is
+// running its error's methods, becomes ErrHandlerPanic.
 func (m *Monitor) invoke(c *call) (ignored bool, err error) {
 	normal := false
 	defer func() {
@@ -192,34 +194,36 @@ func (m *Monitor) finish(c *call, ignored bool, err error) (next *call) {
 		m.mu.Unlock()
 		return nil // Stop gave up on it and accounted for it
 	}
-	overran := c.stage == overran
+	wasOverrun := c.stage == overran
 	out := m.settle(c, err, ignored, end)
-	if overran || out.failed != nil || m.cfg.metrics != nil {
-		c.stage = settling // WaitIdle and Stop wait for the report
-		m.reconcile()
-		m.mu.Unlock() // the report runs user code: logger, Metrics, drop handler
-		onGoexit(func() { m.report(c, err, end, out, overran) }, func() {
-			m.mu.Lock()
-			next := m.release(c, out.drops != nil)
-			m.mu.Unlock()
-			m.workOn(next)
-		})
-		m.mu.Lock()
+	if !wasOverrun && out.failed == nil && m.cfg.metrics == nil {
+		next = m.release(c, out)
+		m.mu.Unlock()
+		return next
 	}
-	next = m.release(c, out.drops != nil)
-	m.mu.Unlock()
-	return next
+	c.stage = settling // WaitIdle and Stop wait for the report
+	m.reconcile()
+	m.mu.Unlock() // the report runs user code: logger, Metrics, drop handler
+	release := func() *call {
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		return m.release(c, out)
+	}
+	onGoexit(func() { m.report(c, err, end, out, wasOverrun) }, func() { m.workOn(release()) })
+	return release()
 }
 
 // release ends settled call c: the key of a dropped event, held until the
 // drop was reported, goes on, and c's slot, if it holds one, takes on the
 // next call, which it returns. mu is held.
-func (m *Monitor) release(c *call, keyHeld bool) (next *call) {
-	if keyHeld {
+func (m *Monitor) release(c *call, out outcome) (next *call) {
+	if out.keyHeld {
 		m.keys.Done(c.key)
 	}
-	if c.seat == ownSlot {
-		next = m.takeReady() // before c leaves: its slot passes on, not back
+	if c.slot == ownSlot {
+		// Taken while c still holds its slot, so that reconcile below
+		// gives that slot to no new worker: this goroutine goes on in it.
+		next = m.takeReady()
 	}
 	m.calls = slices.DeleteFunc(m.calls, func(x *call) bool { return x == c })
 	m.reconcile()
@@ -241,8 +245,8 @@ func (m *Monitor) settle(c *call, err error, ignored bool, end time.Time) outcom
 		return outcome{}
 	}
 	m.stats.Failed++
-	// A new record: the report of the call that made the old one reads it
-	// without the lock.
+	// A new record, not a change: the report of the call that failed
+	// before may still read the old one without mu.
 	f := failures{first: end, attempts: 1, last: err}
 	if old := c.it.failures; old != nil {
 		f.first, f.attempts = old.first, old.attempts+1
@@ -258,14 +262,14 @@ func (m *Monitor) settle(c *call, err error, ignored bool, end time.Time) outcom
 		m.keys.Failed(c.key, c.it, end)
 		return outcome{failed: err, delay: c.key.Delay()}
 	}
-	return outcome{failed: err, drops: m.drop(c.key.Name(), reason, c.it)}
+	return outcome{failed: err, drops: m.drop(c.key.Name(), reason, c.it), keyHeld: true}
 }
 
 // slotsHeld is how many worker slots the calls hold.
 func (m *Monitor) slotsHeld() int {
 	n := 0
 	for _, c := range m.calls {
-		if c.seat == ownSlot {
+		if c.slot == ownSlot {
 			n++
 		}
 	}

@@ -79,15 +79,15 @@ func (m *Monitor) refuse(key string, it item, reason error) []Drop {
 func (m *Monitor) emit(drops ...Drop) {
 	for _, d := range drops {
 		if mt := m.cfg.metrics; mt != nil {
-			m.protect("Metrics", d.Key, func() { mt.Dropped(d.Reason, max(1, len(d.Events))) })
+			m.logOnPanic("Metrics", d.Key, func() { mt.Dropped(d.Reason, max(1, len(d.Events))) })
 		}
-		m.protect("drop handler", d.Key, func() { m.cfg.onDrop(d) })
+		m.logOnPanic("drop handler", d.Key, func() { m.cfg.onDrop(d) })
 	}
 }
 
-// protect runs fn, calling a user's callback, recovering and logging a
-// panic so that it cannot take a worker, a watcher or the stream down.
-func (m *Monitor) protect(callback, key string, fn func()) {
+// logOnPanic runs fn, which calls a user's callback, and logs its panic,
+// so that it cannot take a worker, a watcher or the stream down.
+func (m *Monitor) logOnPanic(callback, key string, fn func()) {
 	if r, ok := recovering(fn); !ok {
 		m.cfg.logger.WithField("key", key).Errorf("%s panicked: %s", callback, panicked(r))
 	}

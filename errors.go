@@ -8,31 +8,32 @@ import (
 // User code runs under a guard, so that it cannot take a worker, a watcher
 // or the stream reader down:
 //   - the handler: invoke, where a panic fails the call;
-//   - the converter, resync hook, exit status and exit builder: guarded,
-//     which makes a panic their error;
+//   - the converter, resync hook, exit status and exit builder:
+//     errOnPanic, which makes a panic their error;
 //   - the drop handler, Metrics and an ignored payload's GetTypeUrl:
-//     protect, which logs a panic;
+//     logOnPanic;
 //   - what they return: checked, for an error whose Error panics, and
 //     panicked, for a panic's value whose Error panics;
-//   - a panic(nil), which recover returns as nil under
-//     GODEBUG=panicnil=1: recovering, under all but invoke, and invoke
-//     tell it by fn not returning;
+//   - a panic(nil), which recover sees as nil under GODEBUG=panicnil=1:
+//     recovering (and invoke, with its own flag) tells it by fn not
+//     returning;
 //   - runtime.Goexit (t.FailNow in a test's callback), which no recover
 //     stops: onGoexit around a worker's retry line, handler call and
 //     report, so that the call still settles and its slot goes on;
-//     onGoexit also around an envelope's conversion and an exit's reading,
-//     so that what was taken in is dropped, and around Start's reading,
-//     which then reports it; deferred counts. Nothing hangs, but what the
-//     ended goroutine had left to report (a drop, a log line) is lost.
+//     around an envelope's conversion and an exit's reading, so that what
+//     was taken in is dropped; and around Start's reading, which then
+//     reports it. Counts released in defers (accepting, watchers) are
+//     released still. Nothing hangs, but what the ended goroutine had left
+//     to report (a drop, a log line) is lost.
 //
 // A Subscriber runs on the caller's goroutine (Subscribe, Run), so its
 // panic is the caller's.
 
-// checked is err, from user code (a handler, converter, subscriber, hook
-// or exit status), or if its Error panics (a typed nil pointer returned as
-// an error) an error saying so: the logger calls Error where no recover
-// waits. errors.Is runs the error's own methods too (*net.OpError's Unwrap
-// panics on nil): callers run it under a recover.
+// checked returns err, from user code (a handler, converter, subscriber,
+// hook or exit status), or an error saying so if err's Error panics (say,
+// a typed nil pointer): a logger calls Error with no recover waiting.
+// errors.Is runs the error's own methods too (*net.OpError's Unwrap panics
+// on nil): callers run it under a recover.
 func checked(err error) error {
 	if err == nil {
 		return nil
@@ -58,10 +59,10 @@ func recovering(fn func()) (r any, ok bool) {
 	return r, ok
 }
 
-// panicked formats r, a recovered panic's value. Its Error or String is
-// user code too, called here first, not by fmt: fmt prints nothing for one
-// that panics with nil under panicnil, and panics itself for one whose
-// panic's value panics too. Where fmt can, it then says what the panic was.
+// panicked formats r, a recovered panic's value. It calls r's Error or
+// String itself, under recovering: fmt prints nothing for one that panics
+// with nil under panicnil, and panics itself if that panic's value panics
+// too. If they panic, it names r's type and adds what fmt.Sprint manages.
 func panicked(r any) (s string) {
 	format := func() { s = fmt.Sprint(r) }
 	switch v := r.(type) {
@@ -83,10 +84,8 @@ func panicked(r any) (s string) {
 
 // onGoexit runs fn, which calls user code. If fn ends the goroutine
 // (runtime.Goexit), rest runs as it unwinds, to finish what fn left. A
-// panic goes on as it was, and rest does not run: should a caller above
-// the guard recover a panic raised after a Goexit began (only Run's caller
-// can be one: elsewhere it ends the process), the goroutine ends without
-// rest.
+// panic goes on unchanged and skips rest; so does a panic raised during a
+// Goexit and recovered above (only Run's caller can recover one).
 func onGoexit(fn, rest func()) {
 	returned, panicking := false, false
 	defer func() {
@@ -112,9 +111,9 @@ func onGoexit(fn, rest func()) {
 	}
 }
 
-// guarded runs fn, which calls user code, and returns its error or, if it
-// panicked, one wrapping wrap and the panic's value.
-func guarded(wrap error, fn func() error) (err error) {
+// errOnPanic runs fn, which calls user code, and returns its error or, if
+// it panicked, one wrapping wrap and the panic's value.
+func errOnPanic(wrap error, fn func() error) (err error) {
 	if r, ok := recovering(func() { err = fn() }); !ok {
 		return fmt.Errorf("%w: %s", wrap, panicked(r))
 	}

@@ -120,7 +120,7 @@ var (
 func (m *Monitor) buildExit(key string, s ExitStatus, received bool, build func(uint32, time.Time, error) any) (event any, err error) {
 	code, at, status := uint32(UnknownExitCode), time.Time{}, error(ErrNoExitStatus)
 	if received {
-		status = guarded(errExitStatusPanic, func() (err error) { // a nil status panics, for one
+		status = errOnPanic(errExitStatusPanic, func() (err error) { // a nil status panics, for one
 			code, at, err = s.Result()
 			return checked(err)
 		})
@@ -129,7 +129,7 @@ func (m *Monitor) buildExit(key string, s ExitStatus, received bool, build func(
 		m.cfg.logger.WithField("key", key).WithError(status).Warn("cannot read exit status; exit code unknown")
 		code, at = UnknownExitCode, m.cfg.clock.Now()
 	}
-	err = guarded(errExitBuilderPanic, func() error { event = build(code, at, status); return nil })
+	err = errOnPanic(errExitBuilderPanic, func() error { event = build(code, at, status); return nil })
 	return event, err
 }
 

@@ -867,7 +867,7 @@ func TestGoexitInTheStreamFailedLineStillEndsStart(t *testing.T) {
 }
 
 // A panic (not a Goexit) through ingest, before the converter's result is
-// in (a log hook panicking on protect's line for an ignored payload whose
+// in (a log hook panicking on logOnPanic's line for an ignored payload whose
 // GetTypeUrl panics), on Run's caller's goroutine, which recovers it: the
 // envelope is not dropped as if the converter had called runtime.Goexit,
 // and the drop handler is not called mid-panic with that made-up reason.

@@ -102,31 +102,31 @@ func takeOne(t *testing.T, h *harness) {
 	h.settled(t)
 }
 
-// ---- guarded and runtime.Goexit -------------------------------------------
+// ---- errOnPanic and runtime.Goexit ----------------------------------------
 
-// guarded on its own: fn that Goexits ends the goroutine (guarded does not
+// errOnPanic on its own: fn that Goexits ends the goroutine (errOnPanic does not
 // return, whatever its deferred func set), also when a defer in fn panics
-// after the Goexit began and guarded's recover takes that panic: the
+// after the Goexit began and errOnPanic's recover takes that panic: the
 // runtime resumes the Goexit.
 func TestGuardedDoesNotReturnFromAGoexit(t *testing.T) {
 	for _, late := range []bool{false, true} {
 		t.Run(fmt.Sprintf("latePanic=%v", late), func(t *testing.T) {
 			done := make(chan string, 1)
 			go func() {
-				outcome := "goroutine ended; guarded never returned"
+				outcome := "goroutine ended; errOnPanic never returned"
 				defer func() { done <- outcome }()
-				err := guarded(errConverterPanic, func() error {
+				err := errOnPanic(errConverterPanic, func() error {
 					if late {
 						defer func() { panic("late") }()
 					}
 					runtime.Goexit()
 					return nil
 				})
-				outcome = fmt.Sprintf("guarded returned %v", err)
+				outcome = fmt.Sprintf("errOnPanic returned %v", err)
 			}()
 			select {
 			case got := <-done:
-				assert.Equal(t, "goroutine ended; guarded never returned", got)
+				assert.Equal(t, "goroutine ended; errOnPanic never returned", got)
 			case <-time.After(10 * time.Second):
 				t.Fatal("the goroutine never ended")
 			}
@@ -136,7 +136,7 @@ func TestGuardedDoesNotReturnFromAGoexit(t *testing.T) {
 
 // The same through the monitor: a converter, Result or builder that
 // Goexits, with or without a defer panicking after the Goexit began (which
-// guarded recovers, below onGoexit), is dropped once with the Goexit's
+// errOnPanic recovers, below onGoexit), is dropped once with the Goexit's
 // reason, not also with a panic's; Start reports its reader ended.
 func TestGoexitUnderGuardedIsDroppedOnce(t *testing.T) {
 	goexit := func(late bool) {
@@ -572,7 +572,7 @@ func endedWithoutReturning(t *testing.T, f func() string) (ended bool, got strin
 }
 
 // A Goexit in recovering's fn, in an error's Error under checked, in a
-// panic value's Error under panicked and guarded, with or without a panic
+// panic value's Error under panicked and errOnPanic, with or without a panic
 // raised after it began: nothing after recovering runs.
 func TestRecoveringNeverReturnsFromAGoexit(t *testing.T) {
 	for _, late := range []bool{false, true} {
@@ -585,13 +585,13 @@ func TestRecoveringNeverReturnsFromAGoexit(t *testing.T) {
 			"panicked": func() string {
 				return "panicked returned " + panicked(goexitErr{late})
 			},
-			"guarded's panic value": func() string {
-				err := guarded(errConverterPanic, func() error { panic(goexitErr{late}) })
-				return fmt.Sprintf("guarded returned %v", err)
+			"errOnPanic's panic value": func() string {
+				err := errOnPanic(errConverterPanic, func() error { panic(goexitErr{late}) })
+				return fmt.Sprintf("errOnPanic returned %v", err)
 			},
-			"guarded's checked error": func() string {
-				err := guarded(errConverterPanic, func() error { return checked(goexitErr{late}) })
-				return fmt.Sprintf("guarded returned %v", err)
+			"errOnPanic's checked error": func() string {
+				err := errOnPanic(errConverterPanic, func() error { return checked(goexitErr{late}) })
+				return fmt.Sprintf("errOnPanic returned %v", err)
 			},
 		}
 		for name, f := range cases {
@@ -603,9 +603,9 @@ func TestRecoveringNeverReturnsFromAGoexit(t *testing.T) {
 	}
 }
 
-// protect whose fn Goexits, directly or through a panic value whose Error
+// logOnPanic whose fn Goexits, directly or through a panic value whose Error
 // Goexits: the goroutine ends and no "panicked" line is logged.
-func TestProtectGoexitLogsNothing(t *testing.T) {
+func TestLogOnPanicGoexitLogsNothing(t *testing.T) {
 	for name, fn := range map[string]func(){
 		"Goexit":                   runtime.Goexit,
 		"Goexit, late panic":       func() { _ = goexitErr{true}.Error() },
@@ -615,8 +615,8 @@ func TestProtectGoexitLogsNothing(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			h := newHarness(t, newRecorder())
 			ended, got := endedWithoutReturning(t, func() string {
-				h.m.protect("drop handler", "k", fn)
-				return "protect returned"
+				h.m.logOnPanic("drop handler", "k", fn)
+				return "logOnPanic returned"
 			})
 			assert.True(t, ended, "%s", got)
 			assert.Zero(t, loggedLines(h, "drop handler panicked"))
@@ -828,7 +828,7 @@ func TestHandlerErrorGoexits(t *testing.T) {
 }
 
 // A converter whose error's Error Goexits (checked), or that panics with a
-// value whose Error Goexits (panicked in guarded); a stream error whose
+// value whose Error Goexits (panicked in errOnPanic); a stream error whose
 // Error Goexits (checked in consume): the envelope, if taken, is dropped
 // once as a Goexit, and Start reports its reader ended.
 func TestStartsReaderGoexits(t *testing.T) {
@@ -925,7 +925,7 @@ func TestPanicNilInsideAPanicValue(t *testing.T) {
 }
 
 // Under panicnil, a Goexit whose late defer panics with nil (recovered as
-// nil, as in a Goexit): recovering, checked and protect still never return.
+// nil, as in a Goexit): recovering, checked and logOnPanic still never return.
 func TestLatePanicNilAfterGoexit(t *testing.T) {
 	inPanicNilChild(t, "TestLatePanicNilAfterGoexit", false, func(t *testing.T) (string, bool) {
 		h := newHarness(t, newRecorder())
@@ -936,10 +936,10 @@ func TestLatePanicNilAfterGoexit(t *testing.T) {
 		var bad []string
 		for name, f := range map[string]func() string{
 			"recovering": func() string { r, ok := recovering(exit); return fmt.Sprint("returned ", r, ok) },
-			"guarded": func() string {
-				return fmt.Sprint("returned ", guarded(errConverterPanic, func() error { exit(); return nil }))
+			"errOnPanic": func() string {
+				return fmt.Sprint("returned ", errOnPanic(errConverterPanic, func() error { exit(); return nil }))
 			},
-			"protect": func() string { h.m.protect("drop handler", "k", exit); return "returned" },
+			"logOnPanic": func() string { h.m.logOnPanic("drop handler", "k", exit); return "returned" },
 		} {
 			if ended, got := endedWithoutReturning(t, f); !ended {
 				bad = append(bad, name+" "+got)

@@ -66,7 +66,7 @@ func (m *Monitor) ingest(ctx context.Context, env *Envelope) {
 	onGoexit(func() {
 		key, event, ignored, err = m.convert(env)
 		if ignored { // the payload's code: not under mu, nor unguarded
-			m.protect("the payload's GetTypeUrl", "", func() { url = env.Event.GetTypeUrl() })
+			m.logOnPanic("the payload's GetTypeUrl", "", func() { url = env.Event.GetTypeUrl() })
 		}
 	}, func() { m.dropInHand("", it, errConverterExited) })
 	it.event = event
@@ -141,7 +141,7 @@ func (m *Monitor) convert(env *Envelope) (key string, event any, ignored bool, e
 	case env.Event == nil:
 		return "", nil, false, fmt.Errorf("%w: nil payload", ErrInvalidEvent)
 	}
-	err = guarded(errConverterPanic, func() (err error) {
+	err = errOnPanic(errConverterPanic, func() (err error) {
 		key, event, err = m.cfg.converter.Convert(env.Event)
 		err = checked(err)
 		ignored = errors.Is(err, ErrUnsupportedEvent)

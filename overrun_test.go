@@ -136,7 +136,7 @@ func TestSlotsFollowTheCallsAcrossReplaceAndAbandon(t *testing.T) {
 		h.m.mu.Lock()
 		defer h.m.mu.Unlock()
 		for _, c := range h.m.calls {
-			if c.seat == gaveSlot {
+			if c.slot == gaveSlot {
 				replaced++
 			}
 		}
@@ -157,7 +157,7 @@ func TestSlotsFollowTheCallsAcrossReplaceAndAbandon(t *testing.T) {
 	h.m.mu.Lock()
 	var first string
 	for _, c := range h.m.calls {
-		if c.seat == gaveSlot {
+		if c.slot == gaveSlot {
 			first = c.key.Name()
 		}
 	}

@@ -23,30 +23,35 @@ type Metrics interface {
 	Dropped(reason error, events int)
 }
 
-// outcome is what a failed call leaves to report once mu is released.
+// outcome is what settle leaves for report to do once mu is released;
+// zero for a call handled or ignored.
 type outcome struct {
 	failed error         // the handler's error; nil if the event did not fail
 	delay  time.Duration // the backoff the event now waits
 	drops  []Drop        // set when the monitor gave up on the event
+	// keyHeld: the event was dropped, and its key waits for the drop to be
+	// reported, so that a drop handler sees it before the key's next event
+	// is handled.
+	keyHeld bool
 }
 
 // report gives a settled call's duration to the metrics, logs its overrun
 // or failure and hands its drop over, without the lock. A failing key calls
 // once per delay: it cannot flood the log.
-func (m *Monitor) report(c *call, err error, end time.Time, out outcome, overran bool) {
+func (m *Monitor) report(c *call, err error, end time.Time, out outcome, wasOverrun bool) {
 	if mt := m.cfg.metrics; mt != nil {
-		m.protect("Metrics", c.key.Name(), func() {
+		m.logOnPanic("Metrics", c.key.Name(), func() {
 			mt.HandlerDone(end.Sub(c.start), err)
 			if err == nil && c.it.failures != nil {
 				mt.Recovered(end.Sub(c.it.failures.first))
 			}
 		})
 	}
-	if !overran && out.failed == nil {
+	if !wasOverrun && out.failed == nil {
 		return
 	}
 	entry := m.cfg.logger.WithFields(itemFields(c.key.Name(), c.it))
-	if overran {
+	if wasOverrun {
 		entry.WithField("ran", m.cfg.clock.Since(c.start)).Warn("event handler returned after its deadline")
 	}
 	switch {

@@ -58,7 +58,7 @@ func (m *Monitor) retime() {
 	switch {
 	case at.IsZero():
 		if !s.at.IsZero() {
-			s.stop()
+			s.disarm()
 		}
 	case s.at.IsZero() || at.Before(s.at):
 		m.arm(at)
@@ -66,40 +66,42 @@ func (m *Monitor) retime() {
 }
 
 // arm sets the timer for at, starting the scheduler with the first timer.
-// Reset moves a pending timer in place: stopping it first showed a test
-// reading the fake clock no timer for a moment while a key waited. One
-// that Reset finds off the clock may have left a fire unseen: drained, as
-// a fake clock's Step blocks on a second, and looked at anew, as it may be
-// this setting's. A timer counts from the clock's time when it is set, not
-// from now: a fake clock stepped in between leaves it late, so it is set
-// again while the clock moved a microsecond or more (a real clock moves
-// nanoseconds: near enough). A test stepping during every try, or by less
-// than a microsecond, sees its retry at its next Step, or at WaitIdle,
-// which sets the timer right or finds it overdue. mu is held.
+// mu is held. Its care is for fake clocks:
+//   - Reset moves the timer in place: a Stop first would show a test no
+//     timer for a moment while a key waits.
+//   - A fire that Reset finds unread is discarded, as a fake clock's Step
+//     blocks on a second, and the scheduler is poked: it may be this
+//     setting's. So it is for a time already passed, which a fake timer
+//     never fires for.
+//   - A duration counts from the clock's time when the timer is set, so a
+//     Step between Now and Reset makes it late: it is set again while the
+//     clock moved a microsecond or more (a real clock's nanoseconds are
+//     near enough), up to armTries times. A test still racing it sees the
+//     retry at its next Step, or at WaitIdle, which sets the timer right.
 func (m *Monitor) arm(at time.Time) {
 	s := &m.sched
 	var now time.Time
-	drained := false
-	for tries := 0; tries < 4; tries++ {
+	discarded := false
+	for tries := 0; tries < armTries; tries++ {
 		now = m.cfg.clock.Now()
 		if s.timer == nil {
 			s.timer = m.cfg.clock.NewTimer(at.Sub(now))
 			m.watchers.Add(1)
 			go m.schedule(s.timer.C())
-		} else if !s.timer.Reset(at.Sub(now)) && s.drain() {
-			drained = true
+		} else if !s.timer.Reset(at.Sub(now)) && s.discardFire() {
+			discarded = true
 		}
 		if m.cfg.clock.Since(now) < time.Microsecond {
 			break
 		}
 	}
 	s.at = at
-	// A drained fire may be this setting's, and a fake clock's timer set
-	// for a time passed never fires: the scheduler looks now.
-	if drained || !at.After(now) {
+	if discarded || !at.After(now) {
 		m.poke()
 	}
 }
+
+const armTries = 4
 
 // overdue reports whether the timer is set for now or earlier: it fired
 // and the pass is yet to run, or a fake clock passed it unseen. The timer
@@ -109,18 +111,18 @@ func (s *schedulerState) overdue(now time.Time) bool {
 	return !s.at.IsZero() && !s.at.After(now)
 }
 
-// stop stops the timer. mu is held.
-func (s *schedulerState) stop() {
+// disarm stops the timer. mu is held.
+func (s *schedulerState) disarm() {
 	s.at = time.Time{}
 	if s.timer != nil && !s.timer.Stop() {
-		s.drain()
+		s.discardFire()
 	}
 }
 
-// drain takes a fire not yet seen, reporting whether there was one: a
-// fake clock's timer holds one in its channel, and its Step blocks on a
+// discardFire takes a fire not yet read, reporting whether there was one:
+// a fake clock's timer holds one in its channel, and its Step blocks on a
 // second. mu is held.
-func (s *schedulerState) drain() bool {
+func (s *schedulerState) discardFire() bool {
 	select {
 	case <-s.timer.C():
 		return true
@@ -142,7 +144,7 @@ func (m *Monitor) poke() {
 // to time.
 func (m *Monitor) schedule(fired <-chan time.Time) {
 	defer m.watchers.Done()
-	for more := true; more; {
+	for {
 		timerFired := false
 		select {
 		case <-fired:
@@ -151,11 +153,11 @@ func (m *Monitor) schedule(fired <-chan time.Time) {
 		}
 		m.mu.Lock()
 		now := m.cfg.clock.Now()
-		stuck := m.expire(now)
+		overruns := m.expire(now)
 		// A poke leaves a correct timer be.
 		switch {
 		case m.sched.overdue(now):
-			m.sched.stop() // reconcile sets it afresh
+			m.sched.disarm() // reconcile sets it afresh
 		case timerFired && !m.sched.at.IsZero():
 			// Nothing is due, yet the timer fired: the clock was set back
 			// since, or the fire predates the timer's last setting. Put it
@@ -163,15 +165,23 @@ func (m *Monitor) schedule(fired <-chan time.Time) {
 			m.arm(m.sched.at)
 		}
 		m.reconcile()
-		more = m.state != stopped || len(m.calls) > 0
+		done := m.state == stopped && len(m.calls) == 0 // nothing is left to time
 		m.mu.Unlock()
-		for _, o := range stuck {
-			entry := m.cfg.logger.WithFields(o.fields)
-			entry.Warn("event handler overran its timeout; its key stays held until it returns")
-			if o.limited {
-				entry.WithField("limit", m.cfg.maxOverruns).
-					Error("too many handler calls overrunning their timeout (WithMaxOverruns): this one keeps its worker")
-			}
+		m.logOverruns(overruns)
+		if done {
+			return
+		}
+	}
+}
+
+// logOverruns logs what expire found, without mu: a log hook is user code.
+func (m *Monitor) logOverruns(overruns []overrun) {
+	for _, o := range overruns {
+		entry := m.cfg.logger.WithFields(o.fields)
+		entry.Warn("event handler overran its timeout; its key stays held until it returns")
+		if o.limited {
+			entry.WithField("limit", m.cfg.maxOverruns).
+				Error("too many handler calls overrunning their timeout (WithMaxOverruns): this one keeps its worker")
 		}
 	}
 }
@@ -202,8 +212,8 @@ func (m *Monitor) expire(now time.Time) (lines []overrun) {
 	}
 	m.replaceStuck()
 	for _, c := range stuck { // at Stop no slot is given away, and no limit was reached
-		lines = append(lines, overrun{limited: c.seat == ownSlot && m.state != stopped, fields: log.Fields{
-			"key": c.key.Name(), "running": now.Sub(c.start), "replaced": c.seat == gaveSlot}})
+		lines = append(lines, overrun{limited: c.slot == ownSlot && m.state != stopped, fields: log.Fields{
+			"key": c.key.Name(), "running": now.Sub(c.start), "replaced": c.slot == gaveSlot}})
 	}
 	return lines
 }
@@ -213,15 +223,18 @@ func (m *Monitor) expire(now time.Time) (lines []overrun) {
 // WithMaxOverruns calls are replaced: each costs a goroutine until it
 // returns. mu is held.
 func (m *Monitor) replaceStuck() {
+	if m.state == stopped {
+		return // no call starts: a slot is worth nothing
+	}
 	replaced := 0
 	for _, c := range m.calls {
-		if c.seat == gaveSlot && c.stage == overran {
+		if c.slot == gaveSlot && c.stage == overran {
 			replaced++
 		}
 	}
 	for _, c := range m.calls {
-		if c.stage == overran && c.seat == ownSlot && replaced < m.cfg.maxOverruns && m.state != stopped {
-			c.seat = gaveSlot
+		if c.stage == overran && c.slot == ownSlot && replaced < m.cfg.maxOverruns {
+			c.slot = gaveSlot
 			replaced++
 		}
 	}

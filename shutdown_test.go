@@ -746,21 +746,21 @@ func TestShutdownResultFollowsWhatItsDrainLost(t *testing.T) {
 		ctx  context.Context
 		want error // nil, context.Canceled or ErrStopped
 	}{
-		{"drained", drainOutcome{beforeStop: true}, live, nil},
-		{"drained; or a Stop found it done; ctx ended after (review 22)", drainOutcome{beforeStop: true}, ended, nil},
-		{"drained but for a call being reported as ctx ended (review 23)", drainOutcome{beforeStop: true, ended: true}, ended, nil},
-		{"calls abandoned as ctx ended", drainOutcome{beforeStop: true, ended: true, byCtx: 1, gaveUp: 1}, ended, context.Canceled},
-		{"events left as ctx ended", drainOutcome{atStop: atStop{left: 2}, beforeStop: true, ended: true}, ended, context.Canceled},
-		{"reader still reading as ctx ended", drainOutcome{atStop: atStop{reading: true}, beforeStop: true, ended: true}, ended, context.Canceled},
-		{"cut by a Stop", drainOutcome{atStop: atStop{cut: true, left: 1}, beforeStop: true}, live, ErrStopped},
-		{"cut by a Stop with only a call being reported left", drainOutcome{atStop: atStop{cut: true, calls: []*call{{}}}, beforeStop: true}, live, nil},
-		{"cut by a Stop with a handler running", drainOutcome{atStop: atStop{cut: true, calls: []*call{{}}, running: 1}, beforeStop: true}, live, ErrStopped},
-		{"handlers running as ctx ended", drainOutcome{atStop: atStop{calls: []*call{{}}, running: 1}, beforeStop: true, ended: true}, ended, context.Canceled},
-		{"stuck calls abandoned and their key's events dropped", drainOutcome{atStop: atStop{left: 1}, beforeStop: true, gaveUp: 1}, live, ErrStopped},
-		{"stuck call abandoned, ctx ended after the drain (review 23)", drainOutcome{beforeStop: true, gaveUp: 1}, ended, ErrStopped},
-		{"a Stop had begun before", drainOutcome{atStop: atStop{left: 3}, gaveUp: 1}, live, nil},
-		{"a Stop had begun before and had ended, ctx ended", drainOutcome{}, ended, nil},
-		{"a Stop had begun before, calls abandoned as ctx ended", drainOutcome{byCtx: 1, gaveUp: 1}, ended, context.Canceled},
+		{"drained", drainOutcome{}, live, nil},
+		{"drained; or a Stop found it done; ctx ended after (review 22)", drainOutcome{}, ended, nil},
+		{"drained but for a call being reported as ctx ended (review 23)", drainOutcome{ended: true}, ended, nil},
+		{"calls abandoned as ctx ended", drainOutcome{ended: true, byCtx: 1, gaveUp: 1}, ended, context.Canceled},
+		{"events left as ctx ended", drainOutcome{atStop: atStop{left: 2}, ended: true}, ended, context.Canceled},
+		{"reader still reading as ctx ended", drainOutcome{atStop: atStop{reading: true}, ended: true}, ended, context.Canceled},
+		{"cut by a Stop", drainOutcome{atStop: atStop{cut: true, left: 1}}, live, ErrStopped},
+		{"cut by a Stop with only a call being reported left", drainOutcome{atStop: atStop{cut: true, calls: []*call{{}}}}, live, nil},
+		{"cut by a Stop with a handler running", drainOutcome{atStop: atStop{cut: true, calls: []*call{{}}, running: 1}}, live, ErrStopped},
+		{"handlers running as ctx ended", drainOutcome{atStop: atStop{calls: []*call{{}}, running: 1}, ended: true}, ended, context.Canceled},
+		{"stuck calls abandoned and their key's events dropped", drainOutcome{atStop: atStop{left: 1}, gaveUp: 1}, live, ErrStopped},
+		{"stuck call abandoned, ctx ended after the drain (review 23)", drainOutcome{gaveUp: 1}, ended, ErrStopped},
+		{"a Stop had begun before", drainOutcome{atStop: atStop{left: 3}, stoppedFirst: true, gaveUp: 1}, live, nil},
+		{"a Stop had begun before and had ended, ctx ended", drainOutcome{stoppedFirst: true}, ended, nil},
+		{"a Stop had begun before, calls abandoned as ctx ended", drainOutcome{stoppedFirst: true, byCtx: 1, gaveUp: 1}, ended, context.Canceled},
 	} {
 		err := tc.o.err(tc.ctx)
 		if tc.want == nil {
@@ -769,7 +769,7 @@ func TestShutdownResultFollowsWhatItsDrainLost(t *testing.T) {
 			assert.ErrorIs(t, err, tc.want, tc.name)
 		}
 	}
-	err := drainOutcome{atStop: atStop{left: 1}, beforeStop: true, gaveUp: 1}.err(live)
+	err := drainOutcome{atStop: atStop{left: 1}, gaveUp: 1}.err(live)
 	assert.ErrorContains(t, err, "abandoned 1 handler calls")
 	assert.ErrorContains(t, err, "dropped 1 events that stuck calls held back")
 }
@@ -954,7 +954,7 @@ func TestAStopOrCtxEndAfterTheDrainIsDoneCutsNothing(t *testing.T) {
 			require.False(t, h.m.drainable(), "the drain can move no more")
 			cancel()
 			if tc.stopFirst {
-				h.m.beginStop(true)
+				h.m.beginStop(h.m.cutsDrain()) // as Stop does
 			}
 			h.m.mu.Unlock()
 			if tc.stopFirst {

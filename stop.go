@@ -32,7 +32,7 @@ func (m *Monitor) Stop() { m.stop(context.Background()) }
 // waitingOn, ends; it returns how many calls it abandoned for that.
 func (m *Monitor) stop(ctx context.Context) (byCtx int) {
 	m.mu.Lock()
-	m.beginStop(true) // a Stop cuts short any drain under way
+	m.beginStop(m.cutsDrain())
 	for len(m.calls) > 0 {
 		m.abandon("overran its deadline", overran)
 		if ctx.Err() != nil {
@@ -47,17 +47,15 @@ func (m *Monitor) stop(ctx context.Context) (byCtx int) {
 	return byCtx
 }
 
-// beginStop ends intake, notes what the stop begins with, for every
-// Shutdown's result, and cancels every call. cutsDrain: the stop ends a
-// drain before it is done (Stop, or a Shutdown whose ctx ended), if
-// Shutdown was called and its drain could still move. mu is held.
-func (m *Monitor) beginStop(cutsDrain bool) {
-	shutdownCalled := m.intakeEnded()
+// beginStop ends intake, records what the stop begins with (cut: it ends a
+// Shutdown's drain that could still move), for Shutdown's result and
+// WaitIdle, and cancels every call. mu is held.
+func (m *Monitor) beginStop(cut bool) {
 	m.endIntake()
 	if m.state == stopped {
 		return
 	}
-	m.atStop = atStop{cut: cutsDrain && shutdownCalled && !m.drainDone(), reading: m.stream.reader == consuming,
+	m.atStop = atStop{cut: cut, reading: m.stream.reader == consuming,
 		left: m.keys.Events(), calls: slices.Clone(m.calls),
 		busy: !m.idle() || m.sched.overdue(m.cfg.clock.Now())}
 	m.state = stopped
@@ -148,7 +146,7 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	ctx, done := m.waitingOn(ctx)
 	defer done()
 	m.mu.Lock()
-	beforeStop := m.state != stopped // else a Stop left it nothing to drain
+	stoppedFirst := m.state == stopped // a Stop left it nothing to drain
 	m.endIntake()
 	for m.stream.reader == consuming && m.state != stopped && ctx.Err() == nil {
 		m.cond.Wait() // what the reader takes until it sees intake end is queued, then drained
@@ -160,13 +158,12 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	for m.state == draining && ctx.Err() == nil && m.drainable() {
 		m.cond.Wait()
 	}
-	// ctx counts only if it ends the drain: not if another stop did first,
-	// nor if the drain was done as ctx ended, its wake-up racing the pass
-	// that left it so. The stop begins under the same lock, so no call
-	// starts in between.
-	ended := ctx.Err() != nil && m.state != stopped && !m.drainDone()
+	// ctx counts only if it is what ends the drain: not if another stop
+	// came first, nor if the drain was already done when ctx's wake-up won
+	// the race. beginStop runs under this lock, so no call starts between.
+	ended := ctx.Err() != nil && m.state != stopped && m.cutsDrain()
 	m.beginStop(ended)
-	o := drainOutcome{atStop: m.atStop, beforeStop: beforeStop, ended: ended}
+	o := drainOutcome{atStop: m.atStop, stoppedFirst: stoppedFirst, ended: ended}
 	m.mu.Unlock()
 	o.byCtx = m.stop(ctx) // a Stop already waiting does not hold it past ctx
 	m.mu.Lock()
@@ -193,10 +190,10 @@ type atStop struct {
 // the stop then abandoned, from which Shutdown's result follows.
 type drainOutcome struct {
 	atStop
-	beforeStop bool // no Stop had begun when Shutdown was called
-	ended      bool // ctx had ended when the drain did (so no Stop had)
-	byCtx      int  // calls its stop abandoned as ctx ended, not overrunning
-	gaveUp     int  // of the calls, those abandoned
+	stoppedFirst bool // a Stop had begun when Shutdown was called
+	ended        bool // ctx had ended when the drain did (so no Stop had)
+	byCtx        int  // calls its stop abandoned as ctx ended, not overrunning
+	gaveUp       int  // of the calls, those abandoned
 }
 
 // unfinished reports whether the stop began with work left to drain.
@@ -207,7 +204,7 @@ func (o drainOutcome) err(ctx context.Context) error {
 	switch {
 	case o.byCtx > 0 || o.ended && o.unfinished():
 		return fmt.Errorf("eventmonitor: shutdown: %w", ctx.Err())
-	case !o.beforeStop:
+	case o.stoppedFirst:
 		return nil // what a Stop begun before lost is not this Shutdown's to report
 	}
 	var lost []string
@@ -237,10 +234,12 @@ func (m *Monitor) drainable() bool {
 	return m.keys.HasReady() && m.slotsHeld() < m.cfg.workers
 }
 
-// drainDone reports whether a Shutdown's drain can move no more, so that a
-// stop cuts nothing short: a Stop, or ctx's end, may win the lock from the
-// Shutdown woken to stop. mu is held.
-func (m *Monitor) drainDone() bool { return m.state == draining && !m.drainable() }
+// cutsDrain reports whether a stop now cuts a Shutdown's drain short: one
+// was called, and its drain can still move. A Stop, or ctx's end, may win
+// the lock from a Shutdown woken because its drain is done. mu is held.
+func (m *Monitor) cutsDrain() bool {
+	return m.intakeEnded() && !(m.state == draining && !m.drainable())
+}
 
 // releaseHold ends WithDeferredStart's hold. mu is held.
 func (m *Monitor) releaseHold() {

@@ -218,7 +218,7 @@ func (m *Monitor) runOnce(ctx context.Context, s Subscriber, filters []string, o
 			if subCtx.Err() != nil {
 				return // refused, or ended: nothing to relist against
 			}
-			err := guarded(errResyncPanic, func() error { return checked(hook(subCtx)) })
+			err := errOnPanic(errResyncPanic, func() error { return checked(hook(subCtx)) })
 			if err != nil && subCtx.Err() == nil {
 				m.cfg.logger.WithError(err).Warn("resync after re-subscription failed")
 			}
