@@ -36,11 +36,10 @@ package eventmonitor
 // For maintainers, where each guarantee lives:
 //   - order, phases, turns (a key with events left goes to the back of the
 //     run queue after each call) and the backoff rules: internal/keyq;
-//   - one goroutine per key: keyq's Running phase, entered only by Take (a
-//     worker, call.go) and TakeAlone (an exit's watcher, exitmonitor.go) and
-//     left only as the call settles (settle, release); an overrunning call
-//     gives its slot away but keeps its key (replaceStuck); Stop abandons
-//     it (abandon), ending its key's call: a stopped monitor starts none;
+//   - one goroutine per key: keyq's Running phase (see its doc), entered by
+//     Take (a worker, call.go) and TakeAlone (an exit's watcher,
+//     exitmonitor.go); an overrunning call gives its slot away but keeps
+//     its key (replaceStuck); Stop ends its key's call (abandon);
 //   - nothing vanishes: the identity in stats.go. An event enters it in
 //     accept or refuse (or ingest, for an envelope not queued) and leaves it
 //     in settle, drop or Forget; in between it is in keyq or in a call, from

@@ -127,7 +127,8 @@ var (
 	// TypeKey; not the monitor's to handle, so Stats.Ignored, not a drop.
 	ErrUnsupportedEvent = errors.New("eventmonitor: unsupported event type")
 	// ErrInvalidEvent: a nil envelope, payload or event, an empty or
-	// oversized key, or a panicking key function.
+	// oversized key, or a converter or exit builder that panicked or ended
+	// its goroutine.
 	ErrInvalidEvent = errors.New("eventmonitor: invalid event")
 	// ErrDecode: the payload's bytes could not be unmarshalled, or a
 	// converter failed on them with an error of its own (wrapped).

@@ -67,8 +67,9 @@ func WatchExitResult[S ExitStatus](ctx context.Context, m *Monitor, key string, 
 	go func() {
 		defer close(done)
 		var s S
-		arrived, received := false, false // an exit, or exitCh's close, was taken
-		if ctx.Err() == nil {             // else the select might take an exit waiting beside it
+		// arrived: a value or exitCh's close was taken; received: a value.
+		arrived, received := false, false
+		if ctx.Err() == nil { // else the select might take an exit waiting beside it
 			select {
 			case <-ctx.Done():
 			case s, received = <-exitCh:
@@ -81,11 +82,16 @@ func WatchExitResult[S ExitStatus](ctx context.Context, m *Monitor, key string, 
 				}
 			}
 		}
-		if !arrived {
-			m.watchers.Done()
-			return
-		}
-		if c := m.queueExit(key, s, received, event); c != nil {
+		c := func() *call {
+			// Done before the call: Stop waits for calls, and abandons
+			// stuck ones. Deferred, as user code may end the goroutine.
+			defer m.watchers.Done()
+			if !arrived {
+				return nil
+			}
+			return m.queueExit(key, s, received, event)
+		}()
+		if c != nil {
 			m.handle(c) // holds no slot: takes nothing on
 		}
 	}()
@@ -118,43 +124,40 @@ var (
 // buildExit reads s and builds its event, turning a panic in either into
 // an error.
 func (m *Monitor) buildExit(key string, s ExitStatus, received bool, build func(uint32, time.Time, error) any) (event any, err error) {
-	code, at, status := uint32(UnknownExitCode), time.Time{}, error(ErrNoExitStatus)
+	code, at, statusErr := uint32(UnknownExitCode), time.Time{}, error(ErrNoExitStatus)
 	if received {
-		status = errOnPanic(errExitStatusPanic, func() (err error) { // a nil status panics, for one
+		statusErr = errOnPanic(errExitStatusPanic, func() (err error) { // a nil status panics, for one
 			code, at, err = s.Result()
 			return checked(err)
 		})
 	}
-	if status != nil {
-		m.cfg.logger.WithField("key", key).WithError(status).Warn("cannot read exit status; exit code unknown")
+	if statusErr != nil {
+		m.cfg.logger.WithField("key", key).WithError(statusErr).Warn("cannot read exit status; exit code unknown")
 		code, at = UnknownExitCode, m.cfg.clock.Now()
 	}
-	err = errOnPanic(errExitBuilderPanic, func() error { event = build(code, at, status); return nil })
+	err = errOnPanic(errExitBuilderPanic, func() error { event = build(code, at, statusErr); return nil })
 	return event, err
 }
 
 // queueExit reads s (received: exitCh was not closed empty) and accepts
 // the event build makes. On an idle key it returns a call for the watcher
-// to make at once, through a worker's call path but holding no slot. The
-// watcher stops counting for Stop before that call: Stop waits for calls,
-// and abandons stuck ones.
+// to make at once, through a worker's call path but holding no slot.
 func (m *Monitor) queueExit(key string, s ExitStatus, received bool, build func(uint32, time.Time, error) any) *call {
 	m.inHand()
-	defer m.watchers.Done() // deferred, as is the next: user code may end the goroutine
-	defer m.outOfHand()
-	var event any
+	defer m.outOfHand() // deferred: user code may end the goroutine
+	var it item
 	var err error
-	onGoexit(func() { event, err = m.buildExit(key, s, received, build) },
+	onGoexit(func() { it.event, err = m.buildExit(key, s, received, build) },
 		func() { m.dropInHand(key, item{}, errExitExited) })
 	m.mu.Lock()
 	var k *keyq.Key[item]
 	if err == nil {
-		k, err = m.accept(key, item{event: event}, submitted)
+		k, err = m.accept(key, it, submitted)
 	}
 	var c *call
 	var drops []Drop
 	if err != nil {
-		drops = m.refuse(key, item{event: event}, err)
+		drops = m.refuse(key, it, err)
 	} else if m.state == running {
 		if it, ok := m.keys.TakeAlone(k); ok {
 			c = m.startCall(k, it, false, noSlot)

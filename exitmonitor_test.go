@@ -453,9 +453,6 @@ func TestAnInlineExitFailingAtStopIsDroppedBeforeItsChannelCloses(t *testing.T) 
 func TestStopWithdrawsAnInlineExitNotYetBegun(t *testing.T) {
 	var calls atomic.Int32
 	h := newHarness(t, HandlerFunc(func(context.Context, any) error { calls.Add(1); return nil }))
-	h.m.mu.Lock()
-	h.m.watchers.Add(1) // as WatchExitResult does
-	h.m.mu.Unlock()
 	c := h.m.queueExit("c1", fakeExit{code: 3, at: epoch}, true, func(code uint32, at time.Time, _ error) any {
 		return exitEvent{"c1", code, at}
 	})

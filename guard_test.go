@@ -709,8 +709,8 @@ func (m *panicNilMetrics) Dropped(error, int) {
 // Under panicnil, a drop handler and Metrics.Dropped that panic(nil) are
 // each logged once, and every later drop is still handed over: from a
 // worker's report, and from Stop's emit loop.
-func TestProtectPanicNilLogsOnceAndGoesOn(t *testing.T) {
-	inPanicNilChild(t, "TestProtectPanicNilLogsOnceAndGoesOn", false, func(t *testing.T) (string, bool) {
+func TestLogOnPanicPanicNilLogsOnceAndGoesOn(t *testing.T) {
+	inPanicNilChild(t, "TestLogOnPanicPanicNilLogsOnceAndGoesOn", false, func(t *testing.T) (string, bool) {
 		var states []string
 		ok := true
 		for _, atStop := range []bool{false, true} {

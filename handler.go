@@ -16,7 +16,8 @@ type Handler interface {
 	// context derived from ctx ends then too, its Err Canceled (the standard
 	// library copies it from the cancel context within) and its
 	// context.Cause DeadlineExceeded. An error, a panic or runtime.Goexit
-	// sends the event to its key's backoff.
+	// sends the event to its key's backoff (but an error wrapping
+	// ErrUnsupportedEvent ignores it).
 	HandleEvent(ctx context.Context, event any) error
 }
 

@@ -48,9 +48,10 @@ func (m *Monitor) WaitIdle(ctx context.Context) error {
 	for waited := false; ; waited = true {
 		idle := m.idle()
 		if idle && !m.sched.at.IsZero() {
-			// A fire the scheduler has yet to see, the clock set back
-			// since, left the timer off the clock: put it back (in place
-			// if it is on it) before saying idle.
+			// A fire the scheduler has yet to see, with the clock set
+			// back since, leaves the timer off a fake clock: set it again
+			// (in place if it is on), so an idle monitor times its next
+			// retry.
 			m.arm(m.sched.at)
 		}
 		overdue := m.sched.overdue(m.cfg.clock.Now())
@@ -70,16 +71,15 @@ func (m *Monitor) WaitIdle(ctx context.Context) error {
 	}
 }
 
-// idle reports whether no work is left that WaitIdle waits for, but a
-// timer overdue. mu is held.
+// idle reports whether nothing WaitIdle waits for is left, apart from an
+// overdue timer, which callers check. mu is held.
 func (m *Monitor) idle() bool {
 	return len(m.calls) == 0 && m.accepting == 0 && (m.state == held || !m.keys.HasReady())
 }
 
-// waitingOn derives from a caller's ctx one that a waiter on cond may read
-// under mu, its Err being the standard library's (the caller's may be any
-// code), and that wakes the waiters when it ends. Call done when the wait
-// is over.
+// waitingOn wraps ctx for a wait on cond: its Err is the standard
+// library's, safe to call under mu (a caller's ctx may be any code), and
+// its end wakes the waiters. Call done when the wait is over.
 func (m *Monitor) waitingOn(ctx context.Context) (_ context.Context, done func()) {
 	ctx, cancel := context.WithCancel(ctx)
 	stopWaking := context.AfterFunc(ctx, m.wakeWaiters)

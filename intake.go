@@ -46,12 +46,12 @@ var (
 	errConverterExited = fmt.Errorf("%w: converting it ended the goroutine (runtime.Goexit)", ErrInvalidEvent)
 )
 
-// ingest converts env without the lock and accepts it, waiting until ctx ends
-// while WithIntakeLimit events wait for a worker, so that a flood stays in
-// the runtime rather than in our memory. What cannot be accepted is dropped
-// (once Stop began, a decoded event with ErrStopped). An envelope of
-// another namespace is counted as filtered; one of a type nobody keys as
-// ignored, its type logged once.
+// ingest converts env without mu, then accepts it. While WithIntakeLimit
+// events wait for a worker it waits for room, until ctx ends or intake
+// stops, so that a flood stays in the runtime rather than in our memory.
+// What cannot be accepted is dropped (after Stop, with ErrStopped). An
+// envelope of another namespace counts as Filtered; one of a type nobody
+// keys as Ignored, its type logged once.
 func (m *Monitor) ingest(ctx context.Context, env *Envelope) {
 	m.inHand()
 	defer m.outOfHand()

@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/containerd/log"
-	"k8s.io/utils/clock"
 
 	"github.com/eventmonitor/eventmonitor/internal/keyq"
 )
@@ -31,10 +30,19 @@ const (
 func (s lifecycle) accepts() bool { return s == held || s == running }
 func (s lifecycle) handles() bool { return s == running || s == draining }
 
-// intakeEnded reports whether Shutdown or Stop was called, a step before the
-// state changes: only envelopes the stream reader already took are still
-// accepted, and Shutdown waits for it to see this. mu need not be held.
+// intakeEnded reports whether Shutdown or Stop was called. It turns true
+// before the state changes; in between, accept still takes envelopes the
+// stream reader holds, and Shutdown waits for the reader to notice. mu
+// need not be held.
 func (m *Monitor) intakeEnded() bool { return m.intake.Err() != nil }
+
+// releaseHold ends WithDeferredStart's hold. mu is held.
+func (m *Monitor) releaseHold() {
+	if m.state == held {
+		m.state = running
+		m.reconcile()
+	}
+}
 
 // Monitor handles typed events in order per key, with parallelism across
 // keys and per-key exponential backoff. Create it with New; release it with
@@ -51,7 +59,7 @@ type Monitor struct {
 	mu     sync.Mutex
 	cond   sync.Cond
 	state  lifecycle
-	atStop atStop // what was left as the stop began, for Shutdown
+	atStop atStop // what was left as the stop began, for Shutdown and WaitIdle
 	keys   *keyq.Set[item]
 	calls  []*call // in progress or being settled, in start order
 	stats  Stats   // counters; the gauges are derived in Stats
@@ -108,9 +116,7 @@ func New(h Handler, opts ...Option) (*Monitor, error) {
 	if isNil(h) {
 		return nil, fmt.Errorf("%w: nil handler (%T)", ErrInvalidOption, h)
 	}
-	cfg := config{clock: clock.RealClock{}, initialBackoff: DefaultInitialBackoff, maxBackoff: DefaultMaxBackoff,
-		workers: 1, handleTimeout: DefaultHandleTimeout, maxOverruns: DefaultMaxOverruns, intakeLimit: DefaultIntakeLimit,
-		resubInitial: DefaultResubscribeInitial, resubMax: DefaultResubscribeMax, logger: log.L}
+	cfg := defaultConfig()
 	for _, opt := range opts {
 		if opt != nil {
 			opt(&cfg)
@@ -132,6 +138,8 @@ func New(h Handler, opts ...Option) (*Monitor, error) {
 		state:   running,
 		keys: keyq.New[item](keyq.Delays{Initial: cfg.initialBackoff, Max: cfg.maxBackoff,
 			Jitter: cfg.jitter, Rand: rand.Float64}),
+		sched:    schedulerState{wake: make(chan struct{}, 1)},
+		stream:   streamState{ignoredURLs: make(map[string]bool)},
 		stopping: make(chan struct{}),
 		lifetime: make(chan error),
 	}
@@ -139,17 +147,15 @@ func New(h Handler, opts ...Option) (*Monitor, error) {
 		m.state = held
 	}
 	m.cond.L = &m.mu
-	m.sched.wake = make(chan struct{}, 1)
-	m.stream.ignoredURLs = make(map[string]bool)
 	m.intake, m.endIntake = context.WithCancel(context.Background())
 	return m, nil
 }
 
-// reconcile follows every change and restores what must hold between
-// changes: no backoff queue is past due (a draining monitor's replay at
-// once), no stuck call holds a slot another worker could have, no slot is
-// free while a key is ready, the timer is set for what is due next, and
-// whoever waits on cond has looked again. mu is held.
+// reconcile runs after every change, under mu, and restores what must
+// hold between changes: no backoff queue waits past its due time (none
+// waits at all while draining), no overran call holds a slot that a new
+// worker could use, no slot is free while a key is ready, the timer is set
+// for what is due next, and whoever waits on cond has looked again.
 func (m *Monitor) reconcile() {
 	for k := m.keys.Earliest(); k != nil && m.replays(k); k = m.keys.Earliest() {
 		m.keys.Replay(k)
@@ -198,10 +204,11 @@ func (m *Monitor) Submit(key string, event any) error {
 // and so does one replaying, though not before its replay is done. An event
 // the monitor cannot take (stopped, full, invalid) goes to the drop handler.
 func (m *Monitor) Backoff(key string, event any) {
+	it := item{event: event}
 	m.mu.Lock()
 	var drops []Drop
-	if _, err := m.accept(key, item{event: event}, backedOff); err != nil {
-		drops = m.refuse(key, item{event: event}, err)
+	if _, err := m.accept(key, it, backedOff); err != nil {
+		drops = m.refuse(key, it, err)
 	}
 	m.reconcile()
 	m.mu.Unlock()
@@ -217,8 +224,8 @@ const (
 	streamed                // an envelope the stream reader took
 )
 
-// accept validates an event and queues it. Once Shutdown or Stop was
-// called, only envelopes the reader already took are accepted, and those
+// accept validates an event and queues it; once Shutdown or Stop was
+// called, only an envelope the stream reader holds (see intakeEnded), and
 // only until the drain begins. mu is held.
 func (m *Monitor) accept(key string, it item, from source) (*keyq.Key[item], error) {
 	switch {
@@ -255,8 +262,8 @@ func (m *Monitor) InBackoff(key string) bool {
 
 // Forget removes and returns, in order, every event of key not yet started
 // (in backoff or waiting for a worker), for when the object behind key is
-// gone. A call in progress goes on, a replay's keeping its key in backoff
-// until it ends; if it fails, its event backs off as without Forget.
+// gone. A call in progress goes on. If it is a replay's, the key stays in
+// backoff until it ends; if it fails, its event backs off as usual.
 func (m *Monitor) Forget(key string) []any {
 	m.mu.Lock()
 	defer m.mu.Unlock()

@@ -46,6 +46,12 @@ const (
 	DefaultMaxOverruns        = 64
 )
 
+func defaultConfig() config {
+	return config{clock: clock.RealClock{}, initialBackoff: DefaultInitialBackoff, maxBackoff: DefaultMaxBackoff,
+		workers: 1, handleTimeout: DefaultHandleTimeout, maxOverruns: DefaultMaxOverruns, intakeLimit: DefaultIntakeLimit,
+		resubInitial: DefaultResubscribeInitial, resubMax: DefaultResubscribeMax, logger: log.L}
+}
+
 // MaxWorkers bounds WithWorkers: each worker is a goroutine with a handler
 // call in flight, and a typo (1e6) should be an error, not gigabytes of stacks.
 const MaxWorkers = 4096
@@ -78,13 +84,13 @@ func WithJitter(fraction float64) Option { return func(c *config) { c.jitter = f
 // default, 1, is serial as in containerd.
 func WithWorkers(n int) Option { return func(c *config) { c.workers = n } }
 
-// WithHandleTimeout sets each handler call's ctx deadline to its start plus
-// d (default DefaultHandleTimeout), a call starting as a worker takes its
-// event (a replay's log line, written first, counts in it). A call running
-// min(1s, d/10) past it overruns: it is logged and holds its key until it
-// returns, but a new worker replaces it (see WithMaxOverruns) and Stop
-// abandons it. 0 sets no deadline, for handlers with their own: nothing
-// overruns, Stop waits.
+// WithHandleTimeout sets each handler call's ctx deadline to d after the
+// call starts, which is when a worker takes its event (a replay's log line,
+// written first, counts against it); default DefaultHandleTimeout. A call
+// running min(1s, d/10) past it overruns: it is logged and holds its key
+// until it returns, but a new worker replaces it (see WithMaxOverruns) and
+// Stop abandons it. 0 sets no deadline, for handlers with their own:
+// nothing overruns, Stop waits.
 func WithHandleTimeout(d time.Duration) Option { return func(c *config) { c.handleTimeout = d } }
 
 // WithMaxOverruns bounds how many overrunning calls (each a goroutine until it

@@ -13,21 +13,26 @@ import (
 //
 //	Received = Filtered + Ignored + Handled + Dropped + Forgotten + Queued + EventsInBackoff + InFlight
 type Stats struct {
-	// Received: envelopes read, and events accepted or, with no caller to
-	// refuse (Backoff, exits), dropped; Filtered: other namespaces'
-	// envelopes; Ignored: types the converter does not key or the handler
-	// returned ErrUnsupportedEvent for (not ours: not drops);
-	// Handled, Failed: handler calls that succeeded, or failed or panicked;
-	// Retried: backoff replays begun (a replay Forget empties before its
-	// first call counts too); Dropped: events given to the drop
-	// handler; Forgotten: events returned by Forget; Resubscribed: Run's resubscriptions.
-	Received, Filtered, Ignored, Handled, Failed, Retried, Dropped, Forgotten, Resubscribed uint64
-	// InFlight: running handler calls, including Overrunning: calls past
+	Received uint64 // envelopes read; events accepted, or dropped with no caller to refuse (Backoff, exits)
+	Filtered uint64 // envelopes of other namespaces
+	// Ignored: envelopes of types the converter does not key, and events
+	// the handler returned ErrUnsupportedEvent for: not ours, not drops.
+	Ignored      uint64
+	Handled      uint64 // handler calls that succeeded
+	Failed       uint64 // handler calls that failed, panicked or ended their goroutine
+	Retried      uint64 // backoff replays begun, one Forget emptied before its first call too
+	Dropped      uint64 // events given to the drop handler
+	Forgotten    uint64 // events returned by Forget
+	Resubscribed uint64 // Run's re-subscriptions
+
+	// InFlight: handler calls running, Overrunning included: those past
 	// their handle timeout and its grace (see WithHandleTimeout), each
-	// still holding its key (see WithMaxOverruns); Queued: events waiting
-	// for a worker; KeysInBackoff, EventsInBackoff: keys and events waiting
-	// or replaying.
-	InFlight, Overrunning, Queued, KeysInBackoff, EventsInBackoff int
+	// still holding its key (see WithMaxOverruns).
+	InFlight, Overrunning int
+	Queued                int // events waiting for a worker
+	// KeysInBackoff, EventsInBackoff: keys and their events waiting for
+	// their due time or replaying.
+	KeysInBackoff, EventsInBackoff int
 }
 
 // Stats returns a consistent snapshot of the counters and gauges: the

@@ -223,8 +223,9 @@ func (o drainOutcome) err(ctx context.Context) error {
 	return fmt.Errorf("%w: shutdown %s", ErrStopped, strings.Join(lost, " and "))
 }
 
-// drainable reports whether a drain can still move: a call not stuck
-// (see runningIn) may finish, or a ready key has a free slot. mu is held.
+// drainable reports whether a drain can still move: a call that is not an
+// overrunning handler (a returned one is being settled) will finish, or a
+// ready key has a free slot. mu is held.
 func (m *Monitor) drainable() bool {
 	for _, c := range m.calls {
 		if !c.runningIn(overran) {
@@ -239,12 +240,4 @@ func (m *Monitor) drainable() bool {
 // the lock from a Shutdown woken because its drain is done. mu is held.
 func (m *Monitor) cutsDrain() bool {
 	return m.intakeEnded() && !(m.state == draining && !m.drainable())
-}
-
-// releaseHold ends WithDeferredStart's hold. mu is held.
-func (m *Monitor) releaseHold() {
-	if m.state == held {
-		m.state = running
-		m.reconcile()
-	}
 }

@@ -22,7 +22,7 @@ type reader uint8
 
 const (
 	noReader  reader = iota
-	between          // subscribing, resyncing or waiting to re-subscribe: takes nothing
+	reserved         // subscribing, resyncing or waiting to re-subscribe: takes nothing
 	consuming        // in consume: Shutdown waits for it to see intake end
 )
 
@@ -120,7 +120,7 @@ func (m *Monitor) beginReading() (outage bool, err error) {
 	case m.stream.reader != noReader:
 		return false, ErrAlreadyRunning
 	}
-	m.stream.reader = between
+	m.stream.reader = reserved
 	outage, m.stream.read = m.stream.read, true
 	m.releaseHold()
 	return outage, nil
@@ -141,9 +141,10 @@ func (m *Monitor) setReader(r reader) {
 //
 // Run returns ErrAlreadyRunning at once while a Run or Start is reading a
 // stream, ErrNoConverter without WithConverter, nil when ctx ends, and
-// ErrStopped once Shutdown or Stop is called (Shutdown's drain goes on). It
-// may be called again after it returned, or after a Start's stream broke:
-// the time between counts as an outage. Returning does not stop the monitor: Shutdown or Stop does.
+// ErrStopped once Shutdown or Stop is called (Shutdown's drain goes on).
+// It may be called again after it returned, or after a Start's stream
+// broke: the time between counts as an outage. Returning does not stop
+// the monitor: Shutdown or Stop does.
 func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) error {
 	if isNil(s) {
 		return fmt.Errorf("%w: Run needs a subscriber", ErrInvalidOption)
@@ -205,16 +206,16 @@ func (m *Monitor) runOnce(ctx context.Context, s Subscriber, filters []string, o
 	var first chan struct{} // closed by consume at the first envelope
 	if hook := m.cfg.resync; outage && hook != nil {
 		first = make(chan struct{})
-		unrefused := m.cfg.clock.NewTimer(m.cfg.resubInitial)
+		establishedBy := m.cfg.clock.NewTimer(m.cfg.resubInitial) // not refused by then
 		resyncs.Add(1)
 		go func() {
 			defer resyncs.Done()
 			select {
 			case <-subCtx.Done():
 			case <-first:
-			case <-unrefused.C():
+			case <-establishedBy.C():
 			}
-			unrefused.Stop() // an idle monitor holds no timer
+			establishedBy.Stop() // an idle monitor holds no timer
 			if subCtx.Err() != nil {
 				return // refused, or ended: nothing to relist against
 			}
@@ -244,7 +245,7 @@ func (m *Monitor) consume(ctx context.Context, sub *subscription, first chan str
 	if !open {
 		return false, nil
 	}
-	defer m.setReader(between)
+	defer m.setReader(reserved)
 	defer context.AfterFunc(ctx, m.wakeWaiters)() // intake waiting for room gives up
 	for {
 		select {

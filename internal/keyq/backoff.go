@@ -14,15 +14,23 @@ type Delays struct {
 
 // backoff is a key's record while it is in backoff: waiting or replaying.
 type backoff struct {
-	delay      time.Duration
-	due        time.Time // when the replay starts; kept while the key waits
-	replayLeft int       // replay events at the queue's head not yet taken
-	taken      int       // replay events taken so far: a Running key's call is the replay's
-	next       time.Time // set by PushBackoff during the replay: due once it ends
+	delay       time.Duration
+	due         time.Time // when the replay starts; kept while the key waits
+	replayLeft  int       // replay events at the queue's head not yet taken
+	taken       int       // replay events taken so far: a Running key's call is the replay's
+	afterReplay time.Time // set by PushBackoff during the replay: the key waits until then once it ends
 }
 
 // inReplayCall reports whether k is Running a call of its replay.
-func (k *Key[T]) inReplayCall() bool { return k.phase == Running && k.backoff.taken > 0 }
+func (k *Key[T]) inReplayCall() bool {
+	return k.phase == Running && k.backoff != nil && k.backoff.taken > 0
+}
+
+// replaying reports whether k's replay is under way: events of it are left
+// to take, or one of its calls runs.
+func (k *Key[T]) replaying() bool {
+	return k.backoff != nil && (k.backoff.replayLeft > 0 || k.inReplayCall())
+}
 
 // Due is when a key in backoff replays (past while it replays).
 func (k *Key[T]) Due() time.Time {

@@ -135,8 +135,8 @@ func (s *Set[T]) Push(name string, it T) *Key[T] {
 func (s *Set[T]) PushBackoff(name string, it T, now time.Time) *Key[T] {
 	k := s.Push(name, it)
 	if b := k.backoff; b != nil {
-		if (b.replayLeft > 0 || k.inReplayCall()) && b.next.IsZero() {
-			b.next = s.dueAfter(now, s.delays.Initial)
+		if k.replaying() && b.afterReplay.IsZero() {
+			b.afterReplay = s.dueAfter(now, s.delays.Initial)
 		}
 		return k
 	}
@@ -187,10 +187,10 @@ func (s *Set[T]) TakeAlone(k *Key[T]) (it T, ok bool) {
 // keys take turns, an event each.
 func (s *Set[T]) Done(k *Key[T]) {
 	s.uncount(k)
-	if b := k.backoff; b != nil && k.inReplayCall() && b.replayLeft == 0 {
+	if b := k.backoff; k.inReplayCall() && b.replayLeft == 0 {
 		k.backoff = nil
-		if !b.next.IsZero() {
-			k.backoff = &backoff{delay: s.delays.Initial, due: b.next}
+		if !b.afterReplay.IsZero() {
+			k.backoff = &backoff{delay: s.delays.Initial, due: b.afterReplay}
 		}
 	}
 	switch {
@@ -212,9 +212,9 @@ func (s *Set[T]) Failed(k *Key[T], it T, now time.Time) {
 	s.uncount(k)
 	k.items = slices.Insert(k.items, 0, it) // failures are rare: a copy is fine
 	// The replay's first call failed: the key still fails, so it waits longer.
-	if b := k.backoff; b != nil && k.inReplayCall() && b.taken == 1 {
+	if b := k.backoff; k.inReplayCall() && b.taken == 1 {
 		b.delay = doubled(b.delay, s.delays.Max)
-		b.due, b.taken, b.replayLeft, b.next = s.dueAfter(now, b.delay), 0, 0, time.Time{}
+		b.due, b.taken, b.replayLeft, b.afterReplay = s.dueAfter(now, b.delay), 0, 0, time.Time{}
 	} else {
 		k.backoff = &backoff{delay: s.delays.Initial, due: s.dueAfter(now, s.delays.Initial)}
 	}
@@ -244,8 +244,8 @@ func (s *Set[T]) Forget(name string) []T {
 	case k.phase != Running:
 		s.moveTo(k, Idle) // first: the heap orders keys by their backoff's due time
 		k.backoff = nil
-	case k.backoff != nil && k.inReplayCall():
-		k.backoff.replayLeft, k.backoff.next = 0, time.Time{}
+	case k.inReplayCall():
+		k.backoff.replayLeft, k.backoff.afterReplay = 0, time.Time{}
 	default:
 		k.backoff = nil
 	}

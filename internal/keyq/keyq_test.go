@@ -317,7 +317,7 @@ type mkey struct {
 	call, replayLeft                   int
 	backoff, inCall, begun, progressed bool
 	delay                              time.Duration
-	due, next                          time.Time
+	due, afterReplay                   time.Time
 }
 
 type model struct {
@@ -376,8 +376,8 @@ func (m *model) step(op, arg byte) {
 			return
 		}
 		m.s.PushBackoff(name, ev, m.now)
-		if mk.backoff && (mk.replayLeft > 0 || mk.inCall) && mk.next.IsZero() {
-			mk.next = m.now.Add(sec) // waits again after the replay
+		if mk.backoff && (mk.replayLeft > 0 || mk.inCall) && mk.afterReplay.IsZero() {
+			mk.afterReplay = m.now.Add(sec) // waits again after the replay
 		}
 		if !mk.backoff {
 			*mk = mkey{events: mk.events, phase: mk.phase, call: mk.call, backoff: true, delay: sec, due: m.now.Add(sec)}
@@ -403,8 +403,8 @@ func (m *model) step(op, arg byte) {
 		m.s.Done(m.s.Get(name))
 		if m.end(mk.call); mk.backoff && mk.inCall {
 			mk.inCall, mk.progressed = false, true
-			if mk.backoff = mk.replayLeft > 0; !mk.backoff && !mk.next.IsZero() { // a PushBackoff during the replay
-				*mk = mkey{events: mk.events, phase: mk.phase, call: mk.call, backoff: true, delay: sec, due: mk.next}
+			if mk.backoff = mk.replayLeft > 0; !mk.backoff && !mk.afterReplay.IsZero() { // a PushBackoff during the replay
+				*mk = mkey{events: mk.events, phase: mk.phase, call: mk.call, backoff: true, delay: sec, due: mk.afterReplay}
 			}
 		}
 		switch {
@@ -420,7 +420,7 @@ func (m *model) step(op, arg byte) {
 		mk.events = append([]int{mk.call}, mk.events...)
 		if mk.backoff && mk.inCall && !mk.progressed { // the replay failed on its first event
 			mk.delay, m.doublings = min(2*mk.delay, testDelays.Max), m.doublings+1
-			mk.due, mk.next = m.now.Add(mk.delay), time.Time{}
+			mk.due, mk.afterReplay = m.now.Add(mk.delay), time.Time{}
 		} else {
 			*mk = mkey{events: mk.events, phase: mk.phase, backoff: true, delay: sec, due: m.now.Add(sec)}
 		}
@@ -453,7 +453,7 @@ func (m *model) step(op, arg byte) {
 			m.end(ev)
 		}
 		if mk.backoff && mk.inCall { // the replay ends with its call
-			mk.events, mk.replayLeft, mk.next = nil, 0, time.Time{}
+			mk.events, mk.replayLeft, mk.afterReplay = nil, 0, time.Time{}
 			return
 		}
 		if *mk = (mkey{phase: mk.phase, call: mk.call}); mk.phase != Running {
