@@ -93,12 +93,17 @@ func (m *Monitor) logOnPanic(callback, key string, fn func()) {
 	}
 }
 
+// addOrigin adds an envelope's topic and namespace to a log line's fields.
+func addOrigin(fields log.Fields, topic, namespace string) {
+	if topic != "" || namespace != "" {
+		fields["topic"], fields["namespace"] = topic, namespace
+	}
+}
+
 func logDrop(l *log.Entry) func(Drop) {
 	return func(d Drop) {
 		fields := log.Fields{"key": d.Key, "events": len(d.Events)}
-		if d.Topic != "" || d.Namespace != "" {
-			fields["topic"], fields["namespace"] = d.Topic, d.Namespace
-		}
+		addOrigin(fields, d.Topic, d.Namespace)
 		l.WithFields(fields).WithError(d.Reason).Warn("event dropped")
 	}
 }

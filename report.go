@@ -80,8 +80,7 @@ func (m *Monitor) logRetry(c *call) {
 
 func itemFields(key string, it item) log.Fields {
 	fields := log.Fields{"key": key, "attempt": it.attempts()}
-	if topic, namespace := it.from(); topic != "" || namespace != "" {
-		fields["topic"], fields["namespace"] = topic, namespace
-	}
+	topic, namespace := it.from()
+	addOrigin(fields, topic, namespace)
 	return fields
 }
