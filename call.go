@@ -27,10 +27,10 @@ const (
 
 // A call's progress is how far its goroutine got, written without mu:
 // notBegun, then invoked (by compare-and-swap, just before the handler),
-// then returned (just after). Stop moves a call not yet invoked to
-// withdrawn (by compare-and-swap), so that a call whose event it dropped
-// never starts, and never abandons a returned call: that one settles once
-// its goroutine has mu.
+// then returned (just after). Stop, when it abandons a call not yet
+// invoked, moves it to withdrawn (by compare-and-swap), so that a call
+// whose event it dropped never starts; it never abandons a returned call:
+// that one settles once its goroutine has mu.
 const (
 	notBegun  int32 = iota
 	invoked         // the handler was called

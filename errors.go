@@ -127,8 +127,9 @@ var (
 	// TypeKey; not the monitor's to handle, so Stats.Ignored, not a drop.
 	ErrUnsupportedEvent = errors.New("eventmonitor: unsupported event type")
 	// ErrInvalidEvent: a nil envelope, payload or event, an empty or
-	// oversized key, or a converter or exit builder that panicked or ended
-	// its goroutine.
+	// oversized key, a converter or exit builder that panicked, user code
+	// that ended the goroutine converting an envelope or reading or
+	// building an exit, or a converter's error wrapping it.
 	ErrInvalidEvent = errors.New("eventmonitor: invalid event")
 	// ErrDecode: the payload's bytes could not be unmarshalled, or a
 	// converter failed on them with an error of its own (wrapped).

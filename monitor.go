@@ -152,8 +152,8 @@ func New(h Handler, opts ...Option) (*Monitor, error) {
 }
 
 // reconcile runs after every change, under mu, and restores what must
-// hold between changes: no backoff queue waits past its due time (none
-// waits at all while draining), no overran call holds a slot that a new
+// hold between changes: no backoff queue waits past its due time while
+// running (none waits at all while draining), no overran call holds a slot that a new
 // worker could use, no slot is free while a key is ready, the timer is set
 // for what is due next, and whoever waits on cond has looked again.
 func (m *Monitor) reconcile() {

@@ -307,6 +307,49 @@ func TestMaxAttemptsGivesUpAndGoesOn(t *testing.T) {
 	assert.False(t, h.m.InBackoff("a"), "a leaves backoff")
 }
 
+// A key whose event is given up on goes on only once the drop handler has
+// had the drop: its next event is not handled before, while other keys
+// are. So it is with Metrics (the report path), and when the drop handler
+// ends the worker's goroutine (review 47). White-box: the key's queue.
+func TestAKeyWaitsForItsDropToBeHandedOver(t *testing.T) {
+	for _, tc := range []struct {
+		name            string
+		metrics, goexit bool
+	}{{"plain", false, false}, {"metrics", true, false}, {"goexit", false, true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := newRecorder()
+			r.fail(ev{"a", 1}, 1)
+			inDrop, release := make(chan struct{}), make(chan struct{})
+			var drops atomic.Int32
+			opts := []Option{WithMaxAttempts(1), WithWorkers(2), WithLogger(quietLogger()), WithDropHandler(func(Drop) {
+				if drops.Add(1) == 1 {
+					close(inDrop)
+					<-release
+					if tc.goexit {
+						runtime.Goexit()
+					}
+				}
+			})}
+			if tc.metrics {
+				opts = append(opts, WithMetrics(noopMetrics{}))
+			}
+			h := newHarness(t, r, opts...)
+			h.submit(t, ev{"a", 1}, ev{"a", 2}, ev{"b", 1})
+			<-inDrop
+			waitFor(t, func() bool { return len(r.handledOf("b")) == 1 }, "b/1 handled on the other worker")
+			h.m.mu.Lock() // a/2 would have been taken before the drop handler was called
+			k := h.m.keys.Get("a")
+			waiting := k != nil && k.Len() == 1
+			h.m.mu.Unlock()
+			assert.True(t, waiting, "a/2 waits for a/1's drop")
+			close(release)
+			h.settled(t)
+			assert.Equal(t, anys(ev{"a", 2}), r.handledOf("a"))
+			assertBalanced(t, h.m.Stats())
+		})
+	}
+}
+
 func TestMaxQueuedPerKeyRefusesOverflow(t *testing.T) {
 	h := newHarness(t, newRecorder(), WithMaxQueuedPerKey(2))
 	h.m.Backoff("a", ev{"a", 1})

@@ -72,7 +72,7 @@ func (m *Monitor) retime() {
 //   - A fire that Reset finds unread is discarded, as a fake clock's Step
 //     blocks on a second, and the scheduler is poked: it may be this
 //     setting's. So it is for a time already passed, which a fake timer
-//     never fires for.
+//     fires for only at the clock's next Step.
 //   - A duration counts from the clock's time when the timer is set, so a
 //     Step between Now and Reset makes it late: it is set again while the
 //     clock moved a microsecond or more (a real clock's nanoseconds are
