@@ -178,7 +178,7 @@ func (m *Monitor) schedule(fired <-chan time.Time) {
 func (m *Monitor) logOverruns(overruns []overrun) {
 	for _, o := range overruns {
 		entry := m.cfg.logger.WithFields(o.fields)
-		entry.Warn("event handler overran its timeout; its key stays held until it returns")
+		entry.Warn("event handler overran its timeout; its key stays held until it returns or Stop abandons it")
 		if o.limited {
 			entry.WithField("limit", m.cfg.maxOverruns).
 				Error("too many handler calls overrunning their timeout (WithMaxOverruns): this one keeps its worker")
