@@ -196,7 +196,7 @@ func (m *Monitor) finish(c *call, ignored bool, err error) (next *call) {
 	}
 	wasOverrun := c.stage == overran
 	out := m.settle(c, err, ignored, end)
-	if !wasOverrun && out.failed == nil && m.cfg.metrics == nil {
+	if !wasOverrun && out.failed == nil && m.cfg.metrics == nil { // nothing to report
 		next = m.release(c, out)
 		m.mu.Unlock()
 		return next
