@@ -204,13 +204,13 @@ func (m *Monitor) finish(c *call, ignored bool, err error) (next *call) {
 	c.stage = settling // WaitIdle and Stop wait for the report
 	m.reconcile()
 	m.mu.Unlock() // the report runs user code: logger, Metrics, drop handler
-	release := func() *call {
+	lockAndRelease := func() *call {
 		m.mu.Lock()
 		defer m.mu.Unlock()
 		return m.release(c, out)
 	}
-	onGoexit(func() { m.report(c, err, end, out, wasOverrun) }, func() { m.workOn(release()) })
-	return release()
+	onGoexit(func() { m.report(c, err, end, out, wasOverrun) }, func() { m.workOn(lockAndRelease()) })
+	return lockAndRelease()
 }
 
 // release ends settled call c: the key of a dropped event, held until the

@@ -10,12 +10,14 @@
 //     accepted. While a key is in backoff, its new events queue behind it.
 //   - One path per key: no two handler calls for a key ever overlap, not even
 //     when a call overruns its timeout; the key stays held until it returns
-//     (or Stop abandons it: a stopped monitor calls nothing more).
-//   - Parallel and fair: with WithWorkers(n), up to n keys are handled at
-//     once, taking turns one event at a time, so a slow or busy key never
-//     holds up another for long, and not at all while a worker is free
-//     (but stream intake pauses at WithIntakeLimit, which counts a slow
-//     key's queue too; WithMaxQueuedPerKey bounds that queue).
+//     (or Stop abandons it: no handler call begins once Stop returned).
+//   - Parallel and fair: with WithWorkers(n), n workers handle keys at
+//     once (exits may also be handled inline, and an overrunning call's
+//     worker is replaced, see WithMaxOverruns), taking turns one event at
+//     a time, so a slow or busy key never holds up another for long, and
+//     not at all while a worker is free (but stream intake pauses at
+//     WithIntakeLimit, which counts a slow key's queue too;
+//     WithMaxQueuedPerKey bounds that queue).
 //   - Exact backoff: a failed event waits in its key's queue; the queue
 //     replays when due, doubling its delay after every replay that fails on
 //     that event, up to a cap, and resetting once the replay gets past it.
@@ -24,7 +26,8 @@
 //   - Nothing vanishes: every accepted event is handled or ignored, is still
 //     queued (Stats, Pending), was returned by Forget, or reaches the drop
 //     handler with a reason. Stop and Shutdown hand over what is left, and
-//     return about one handle timeout after the drain whatever handlers do.
+//     return about one handle timeout after the drain whatever handlers do
+//     (with a handle timeout; see Stop for the callbacks it waits for).
 //   - Clock-driven: every delay, deadline and timestamp comes from the
 //     configured clock, so tests with a fake clock control retries exactly.
 //
@@ -34,16 +37,20 @@
 package eventmonitor
 
 // For maintainers, where each guarantee lives:
-//   - order, phases, turns (a key with events left goes to the back of the
-//     run queue after each call) and the backoff rules: internal/keyq;
-//   - one goroutine per key: keyq's Running phase (see its doc), entered by
-//     Take (a worker, call.go) and TakeAlone (an exit's watcher,
-//     exitmonitor.go); an overrunning call gives its slot away but keeps
-//     its key (replaceStuck); Stop ends its key's call (abandon);
-//   - nothing vanishes: the identity in stats.go. An event enters it in
-//     accept or refuse (or ingest, for an envelope not queued) and leaves it
-//     in settle, drop or Forget; in between it is in keyq or in a call, from
-//     which Stats derives the gauges;
-//   - timing: scheduler.go, one timer for retries and call deadlines;
-//   - stopping: stop.go, which also waits for what is being accepted
+//   - Ordered, and Exact backoff's rules: internal/keyq's package doc.
+//   - One path per key: keyq's Running phase, entered by Take (takeReady,
+//     call.go) and TakeAlone (queueExit, exitmonitor.go), both only while
+//     the lifecycle handles; left by Done or Failed as the call settles, or
+//     at Stop (abandon, stop.go).
+//   - Parallel and fair: reconcile's loop over free slots (monitor.go),
+//     release passing a slot on (call.go), replaceStuck (scheduler.go);
+//     turns in keyq's Done; the intake pause in ingest (intake.go).
+//   - Exact backoff's timing and Clock-driven: reconcile replays what is
+//     due; scheduler.go's one timer wakes it and ends a call's ctx at its
+//     deadline (expire). Time is read only through the configured clock.
+//   - Nothing vanishes: the identity in stats.go. An event enters it in
+//     accept or refuse (or ingest, for an envelope not queued) and leaves
+//     it in settle, drop or Forget; in between it is in keyq or in a call,
+//     from which Stats derives the gauges. Stop hands over what is left in
+//     finishStop (stop.go), after waiting for what is being accepted
 //     (Monitor.accepting) and for the scheduler and watchers.

@@ -158,7 +158,7 @@ func (m *Monitor) queueExit(key string, s ExitStatus, received bool, build func(
 	var drops []Drop
 	if err != nil {
 		drops = m.refuse(key, it, err)
-	} else if m.state == running {
+	} else if m.state.handles() { // accepted, so not draining: running
 		if it, ok := m.keys.TakeAlone(k); ok {
 			c = m.startCall(k, it, false, noSlot)
 		}

@@ -94,7 +94,7 @@ func (m *Monitor) ingest(ctx context.Context, env *Envelope) {
 	default:
 		drops = m.refuse(key, it, err)
 	}
-	m.mu.Unlock()
+	m.mu.Unlock() // outOfHand, deferred, reconciles
 	if firstIgnored {
 		m.cfg.logger.WithFields(log.Fields{"topic": env.Topic, "namespace": env.Namespace, "type": url}).
 			WithError(err).Debug("ignoring events of a type the converter has no key for; logged once per type")

@@ -153,11 +153,12 @@ func New(h Handler, opts ...Option) (*Monitor, error) {
 
 // reconcile runs after every change, under mu, and restores what must
 // hold between changes: no backoff queue waits past its due time while
-// running (none waits at all while draining), no overran call holds a slot that a new
-// worker could use, no slot is free while a key is ready, the timer is set
-// for what is due next, and whoever waits on cond has looked again.
+// running (none waits at all while draining), no overran call holds a
+// slot that a new worker could use (up to WithMaxOverruns), no slot is
+// free while a key is ready, the timer is set for what is due next, and
+// whoever waits on cond has looked again.
 func (m *Monitor) reconcile() {
-	for k := m.keys.Earliest(); k != nil && m.replays(k); k = m.keys.Earliest() {
+	for k := m.keys.Earliest(); k != nil && m.replayDue(k); k = m.keys.Earliest() {
 		m.keys.Replay(k)
 		m.stats.Retried++
 	}
@@ -173,8 +174,8 @@ func (m *Monitor) reconcile() {
 	m.cond.Broadcast()
 }
 
-// replays reports whether k, the key due first, replays now. mu is held.
-func (m *Monitor) replays(k *keyq.Key[item]) bool {
+// replayDue reports whether k, the key due first, replays now. mu is held.
+func (m *Monitor) replayDue(k *keyq.Key[item]) bool {
 	switch m.state {
 	case running:
 		return !k.Due().After(m.cfg.clock.Now())

@@ -144,7 +144,8 @@ func WithResync(fn func(ctx context.Context) error) Option {
 }
 
 // WithDeferredStart holds everything accepted (Submit, Backoff, WatchExit)
-// unhandled until Start, Run or Shutdown, as containerd does; backoffs due
+// unhandled until Start or Run begins (one refused, say for want of a
+// converter, holds on) or Shutdown, as containerd does; backoffs due
 // meanwhile replay at once. Use it when events may precede their handler.
 func WithDeferredStart() Option { return func(c *config) { c.deferredStart = true } }
 

@@ -9,7 +9,7 @@ import (
 )
 
 // The scheduler wakes when a backoff queue is due (reconcile replays it) and
-// ends calls at their deadline. Whoever changes what is due sets its one
+// ends the ctx of calls at their deadline. Whoever changes what is due sets its one
 // timer, under mu, for the earliest of the two (retime, from reconcile); one
 // goroutine, started with the first thing to time and ended by Stop, waits
 // on it. An idle monitor holds no timer.
@@ -154,14 +154,14 @@ func (m *Monitor) schedule(fired <-chan time.Time) {
 		m.mu.Lock()
 		now := m.cfg.clock.Now()
 		overruns := m.expire(now)
-		// A poke leaves a correct timer be.
+		// Due: clear the timer for reconcile to set. Fired but not due (the
+		// clock set back since, or a fire from before its last setting): set
+		// it again for its time, in place if it is pending. A poke alone
+		// leaves a correct timer be.
 		switch {
 		case m.sched.overdue(now):
-			m.sched.disarm() // reconcile sets it afresh
+			m.sched.disarm()
 		case timerFired && !m.sched.at.IsZero():
-			// Nothing is due, yet the timer fired: the clock was set back
-			// since, or the fire predates the timer's last setting. Put it
-			// back for its time; one still pending stays where it is.
 			m.arm(m.sched.at)
 		}
 		m.reconcile()

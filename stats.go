@@ -20,7 +20,7 @@ type Stats struct {
 	Ignored      uint64
 	Handled      uint64 // handler calls that succeeded
 	Failed       uint64 // handler calls that failed, panicked or ended their goroutine
-	Retried      uint64 // backoff replays begun, one Forget emptied before its first call too
+	Retried      uint64 // backoff replays begun, including one Forget emptied before it started
 	Dropped      uint64 // events given to the drop handler
 	Forgotten    uint64 // events returned by Forget
 	Resubscribed uint64 // Run's re-subscriptions
@@ -29,9 +29,9 @@ type Stats struct {
 	// their handle timeout and its grace (see WithHandleTimeout), each
 	// still holding its key (see WithMaxOverruns).
 	InFlight, Overrunning int
-	Queued                int // events waiting for a worker
-	// KeysInBackoff, EventsInBackoff: keys and their events waiting for
-	// their due time or replaying.
+	Queued                int // events waiting for a worker, also behind a running call of their key
+	// KeysInBackoff, EventsInBackoff: keys in backoff (waiting for their
+	// due time, replaying, or given Backoff during a call) and their events.
 	KeysInBackoff, EventsInBackoff int
 }
 

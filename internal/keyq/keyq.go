@@ -25,8 +25,8 @@
 //	                  moving
 //	Replay (when due) the events then queued are the replay; events pushed
 //	                  later wait behind it, outside it
-//	Done, replay's    the key leaves backoff, its delay reset
-//	last event
+//	Done (the         the key leaves backoff, its delay reset
+//	replay's last)
 //	PushBackoff       not in backoff: due the initial delay from the push
 //	                  (a Running key waits once its call ends); waiting:
 //	                  keeps its due time; replaying: waits again once the
@@ -206,8 +206,7 @@ func (s *Set[T]) Done(k *Key[T]) {
 
 // Failed ends k's call with its event it back at the head; the key waits
 // from now, as the package doc's rule says. That wait replaces any that
-// PushBackoff gave during the call or replay, which would have been due no
-// later than it.
+// PushBackoff gave during the call or replay.
 func (s *Set[T]) Failed(k *Key[T], it T, now time.Time) {
 	s.uncount(k)
 	k.items = slices.Insert(k.items, 0, it) // failures are rare: a copy is fine
