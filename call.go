@@ -217,7 +217,7 @@ func (m *Monitor) finish(c *call, ignored bool, err error) (next *call) {
 // drop was reported, goes on, and c's slot, if it holds one, takes on the
 // next call, which it returns. mu is held.
 func (m *Monitor) release(c *call, out outcome) (next *call) {
-	if out.keyHeld {
+	if out.keyHeld() {
 		m.keys.Done(c.key)
 	}
 	if c.slot == ownSlot {
@@ -262,7 +262,7 @@ func (m *Monitor) settle(c *call, err error, ignored bool, end time.Time) outcom
 		m.keys.Failed(c.key, c.it, end)
 		return outcome{failed: err, delay: c.key.Delay()}
 	}
-	return outcome{failed: err, drops: m.drop(c.key.Name(), reason, c.it), keyHeld: true}
+	return outcome{failed: err, drops: m.drop(c.key.Name(), reason, c.it)}
 }
 
 // slotsHeld is how many worker slots the calls hold.

@@ -29,11 +29,12 @@ type outcome struct {
 	failed error         // the handler's error; nil if the event did not fail
 	delay  time.Duration // the backoff the event now waits
 	drops  []Drop        // set when the monitor gave up on the event
-	// keyHeld: the event was dropped, and its key waits for the drop to be
-	// reported, so that a drop handler sees it before the key's next event
-	// is handled.
-	keyHeld bool
 }
+
+// keyHeld reports whether the event was dropped: its key then waits for
+// the drop to be reported, so that the drop handler sees it before the
+// key's next event is handled.
+func (o outcome) keyHeld() bool { return o.drops != nil }
 
 // report gives a settled call's duration to the metrics, logs its overrun
 // or failure and hands its drop over, without the lock. A failing key calls
