@@ -117,6 +117,23 @@ func TestMaxOverrunsBoundsReplacedWorkers(t *testing.T) {
 	assert.Zero(t, h.m.slotsHeld(), "every worker left once idle")
 }
 
+// With WithMaxOverruns(0) a call that overruns keeps its worker by the
+// user's choice: it is logged as a warning, not as a limit reached.
+func TestNoReplacementChosenLogsNoLimitError(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithHandleTimeout(time.Second), WithMaxOverruns(0))
+	started, release := r.gate(ev{"a", 1})
+	defer release()
+	h.submit(t, ev{"a", 1}, ev{"b", 1})
+	<-started
+	h.clock.Step(time.Second + grace)
+	waitFor(t, func() bool { return h.logged(overranLine, "a") }, "a's overrun logged")
+	assert.Empty(t, h.entries("too many handler calls overrunning their timeout (WithMaxOverruns): this one keeps its worker"))
+	assert.Equal(t, 1, h.m.Stats().Queued, "b waits: a keeps the one worker")
+	release()
+	waitFor(t, func() bool { return len(r.handledList()) == 2 }, "a and b handled once a returns")
+}
+
 // Slots counted from the calls: with two workers and WithMaxOverruns(1),
 // of two stuck calls one gives its slot to a new worker and one keeps it;
 // when the replaced one returns the other is replaced; an abandoned call

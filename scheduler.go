@@ -211,8 +211,12 @@ func (m *Monitor) expire(now time.Time) (lines []overrun) {
 		}
 	}
 	m.replaceStuck()
-	for _, c := range stuck { // at Stop no slot is given away, and no limit was reached
-		lines = append(lines, overrun{limited: c.slot == ownSlot && m.state != stopped, fields: log.Fields{
+	// At Stop no slot is given away, so no limit was reached. With
+	// WithMaxOverruns(0) a call keeping its worker is the user's choice,
+	// not a limit reached: the warning says enough.
+	limitReached := m.state != stopped && m.cfg.maxOverruns > 0
+	for _, c := range stuck {
+		lines = append(lines, overrun{limited: limitReached && c.slot == ownSlot, fields: log.Fields{
 			"key": c.key.Name(), "running": now.Sub(c.start), "replaced": c.slot == gaveSlot}})
 	}
 	return lines
