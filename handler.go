@@ -6,6 +6,9 @@ import (
 	"reflect"
 	"slices"
 	"strings"
+	"sync"
+
+	"github.com/containerd/log"
 )
 
 // Handler handles typed events.
@@ -29,10 +32,13 @@ func (f HandlerFunc) HandleEvent(ctx context.Context, event any) error { return 
 
 // Mux routes each event to the function registered for its Go type; for
 // other types it returns ErrUnsupportedEvent, counted in Stats.Ignored and
-// not retried, as containerd skips unknown topics. Call On only before the
-// first event: registration is not safe concurrently with handling.
+// not retried, as containerd skips unknown topics, and logs the first of
+// each type at debug level (a forgotten On shows there). Call On only
+// before the first event: registration is not safe concurrently with
+// handling.
 type Mux struct {
-	routes map[reflect.Type]func(ctx context.Context, event any) error
+	routes   map[reflect.Type]func(ctx context.Context, event any) error
+	unrouted sync.Map // types seen with no route: the program's own types, so few
 }
 
 // NewMux returns an empty Mux.
@@ -57,8 +63,13 @@ func On[T any](m *Mux, fn func(ctx context.Context, event T) error) {
 
 // HandleEvent implements Handler.
 func (m *Mux) HandleEvent(ctx context.Context, event any) error {
-	if route, ok := m.routes[reflect.TypeOf(event)]; ok {
+	t := reflect.TypeOf(event)
+	if route, ok := m.routes[t]; ok {
 		return route(ctx, event)
+	}
+	if _, seen := m.unrouted.LoadOrStore(t, true); !seen {
+		log.G(ctx).WithField("type", fmt.Sprint(t)).
+			Debug("ignoring events of a type the Mux has no route for; logged once per type")
 	}
 	return fmt.Errorf("%w: no route for %T", ErrUnsupportedEvent, event)
 }

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"testing"
 
+	"github.com/sirupsen/logrus"
+
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -24,4 +26,24 @@ func TestMuxRoutesByType(t *testing.T) {
 		"unrouted types are not the handler's")
 	require.ErrorIs(t, mux.HandleEvent(context.Background(), nil), ErrUnsupportedEvent)
 	assert.Equal(t, []string{"ev a/1", "exit c"}, got)
+}
+
+// An event the Mux has no route for is ignored, and its type logged once at
+// debug level with the event's key, so that a forgotten On shows in the log.
+func TestMuxLogsAnUnroutedTypeOnce(t *testing.T) {
+	mux := NewMux()
+	On(mux, func(context.Context, ev) error { return nil })
+	h := newHarness(t, mux)
+	for key, event := range map[string]any{"a": exitEvent{}, "b": exitEvent{}, "c": ev{"c", 1}, "d": &exitEvent{}} {
+		require.NoError(t, h.m.Submit(key, event))
+	}
+	h.settled(t)
+	assert.Equal(t, uint64(3), h.m.Stats().Ignored)
+	const line = "ignoring events of a type the Mux has no route for; logged once per type"
+	entries := h.entries(line)
+	require.Len(t, entries, 2, "one line per type")
+	assert.Equal(t, logrus.DebugLevel, entries[0].Level)
+	types := []any{entries[0].Data["type"], entries[1].Data["type"]}
+	assert.ElementsMatch(t, []string{"eventmonitor.exitEvent", "*eventmonitor.exitEvent"}, types)
+	assert.Contains(t, []any{"a", "b", "d"}, entries[0].Data["key"], "with the event's key")
 }
