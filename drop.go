@@ -22,10 +22,8 @@ type Drop struct {
 // String says what was dropped, from where and why, as an actionable log line.
 func (d Drop) String() string {
 	s := "dropped an input that did not become an event"
-	if n := len(d.Events); n == 1 {
-		s = "dropped 1 event"
-	} else if n > 1 {
-		s = fmt.Sprintf("dropped %d events", n)
+	if n := len(d.Events); n > 0 {
+		s = "dropped " + counted(n, "event")
 	}
 	if d.Key != "" {
 		s += fmt.Sprintf(" of key %q", d.Key)
@@ -34,6 +32,14 @@ func (d Drop) String() string {
 		s += fmt.Sprintf(" (topic %q, namespace %q)", d.Topic, d.Namespace)
 	}
 	return s + fmt.Sprintf(": %v", d.Reason)
+}
+
+// counted is "1 noun" or "n nouns".
+func counted(n int, noun string) string {
+	if n == 1 {
+		return "1 " + noun
+	}
+	return fmt.Sprintf("%d %ss", n, noun)
 }
 
 // failedDrop is the reason an event that failed is dropped, formatted

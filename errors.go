@@ -120,8 +120,11 @@ func errOnPanic(wrap error, fn func() error) (err error) {
 	return err
 }
 
-// Sentinel errors. Every error the monitor returns or puts in a Drop wraps
-// one of these; test with errors.Is.
+// Sentinel errors. Every error the monitor makes, returned or in a Drop,
+// wraps one of these; test with errors.Is. Errors it passes on keep their
+// own: a ctx's (WaitIdle's as it is, Shutdown's wrapped), a stream's (on
+// Start's channel), and a handler's (in the Drop of an event given up on,
+// beside the sentinel).
 var (
 	// ErrUnsupportedEvent: a type URL unknown to typeurl or a type with no
 	// TypeKey; not the monitor's to handle, so Stats.Ignored, not a drop.
@@ -143,7 +146,8 @@ var (
 	// ErrHandlerPanic: the handler panicked or ended its goroutine
 	// (runtime.Goexit); the event counts as failed.
 	ErrHandlerPanic = errors.New("eventmonitor: handler panicked")
-	// ErrInvalidOption: New was given an unusable option value.
+	// ErrInvalidOption: New was given an unusable option value or a nil
+	// handler, or Run a nil Subscriber.
 	ErrInvalidOption = errors.New("eventmonitor: invalid option")
 	// ErrNoConverter: envelope intake needs WithConverter.
 	ErrNoConverter = errors.New("eventmonitor: no converter (use WithConverter)")

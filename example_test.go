@@ -197,7 +197,7 @@ func ExampleMonitor_Shutdown() {
 }
 
 // A converter keys each event type by its own field; payloads of other types
-// are refused with ErrUnsupportedEvent, for the drop handler.
+// get ErrUnsupportedEvent, which the monitor counts as ignored (not dropped).
 func ExampleNewConverter() {
 	conv := eventmonitor.NewConverter(
 		eventmonitor.KeyOf(func(e *wrapperspb.StringValue) string { return e.GetValue() }),

@@ -6,8 +6,10 @@ import (
 )
 
 // NextRetry returns when the next backoff replay is due, and false if no
-// key is waiting in backoff. A key given Backoff while its call runs
-// starts waiting when the call ends: call WaitIdle first. A held monitor
+// key is waiting in backoff. A key given Backoff while its call runs is
+// due the initial delay from that Backoff, but waits (and shows here) only
+// once the call ends, replaying at once if that time has passed: call
+// WaitIdle first. A held monitor
 // (WithDeferredStart) replays nothing until Start, Run or Shutdown, even
 // when that time comes.
 func (m *Monitor) NextRetry() (time.Time, bool) {

@@ -47,15 +47,14 @@ func (m *Monitor) releaseHold() {
 // Monitor handles typed events in order per key, with parallelism across
 // keys and per-key exponential backoff. Create it with New; release it with
 // Stop or Shutdown.
-//
-// mu guards the fields from cond to abandonedDrops; every change that can
-// start work or unblock a waiter ends in reconcile, which also wakes all who
-// wait on cond.
 type Monitor struct {
 	cfg     config
 	handler Handler
 	base    context.Context // parent of every handler context: carries the logger
 
+	// mu guards the fields from cond to abandonedDrops; every change that
+	// can start work or unblock a waiter ends in reconcile, which also
+	// wakes all who wait on cond.
 	mu     sync.Mutex
 	cond   sync.Cond
 	state  lifecycle
@@ -241,7 +240,7 @@ func (m *Monitor) accept(key string, it item, from source) (*keyq.Key[item], err
 	}
 	if limit := m.cfg.maxQueuedPerKey; limit > 0 {
 		if k := m.keys.Get(key); k != nil && k.Len() >= limit {
-			return nil, fmt.Errorf("%w: key %q holds %d events", ErrQueueFull, key, k.Len())
+			return nil, fmt.Errorf("%w: key %q is at WithMaxQueuedPerKey(%d)", ErrQueueFull, key, limit)
 		}
 	}
 	m.stats.Received++

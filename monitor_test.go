@@ -54,8 +54,8 @@ func TestNewRejectsInvalidOptions(t *testing.T) {
 	require.ErrorIs(t, err, ErrInvalidOption)
 
 	_, err = New(newRecorder(), WithWorkers(0), WithJitter(2))
-	require.ErrorContains(t, err, "workers")
-	require.ErrorContains(t, err, "jitter", "every invalid option is reported")
+	require.ErrorContains(t, err, "WithWorkers(0)")
+	require.ErrorContains(t, err, "WithJitter(2)", "every invalid option is reported, by its name")
 }
 
 func TestSubmitRejectsBadInput(t *testing.T) {

@@ -77,11 +77,16 @@ func WithBackoff(initial, max time.Duration) Option {
 }
 
 // WithJitter spreads each backoff delay uniformly over ±fraction (0..1) of
-// itself, so keys that failed together do not retry together.
+// itself, so keys that failed together do not retry together. The spread
+// comes from math/rand/v2's unseeded source: a test that steps a fake
+// clock to exact retry times leaves jitter off (the default) or steps to
+// NextRetry.
 func WithJitter(fraction float64) Option { return func(c *config) { c.jitter = fraction } }
 
 // WithWorkers sets how many keys are handled at once (1..MaxWorkers). The
-// default, 1, is serial as in containerd.
+// default, 1, is serial as in containerd, but for exits: WatchExit handles
+// an exit on an idle key in its own goroutine, beside the workers, as
+// containerd's exit monitors do.
 func WithWorkers(n int) Option { return func(c *config) { c.workers = n } }
 
 // WithHandleTimeout sets each handler call's ctx deadline to d after the
@@ -163,20 +168,20 @@ func (c *config) validate() error {
 			errs = append(errs, fmt.Errorf("%w: "+format, append([]any{ErrInvalidOption}, args...)...))
 		}
 	}
-	check(isNil(c.clock), "nil clock (%T)", c.clock)
+	check(isNil(c.clock), "WithClock: nil clock (%T)", c.clock)
 	check(c.initialBackoff <= 0 || c.maxBackoff <= 0 || c.initialBackoff > c.maxBackoff,
-		"backoff initial %v, max %v: want 0 < initial <= max", c.initialBackoff, c.maxBackoff)
-	check(!(c.jitter >= 0 && c.jitter <= 1), "jitter %v: want 0..1", c.jitter) // also rejects NaN
-	check(c.workers < 1 || c.workers > MaxWorkers, "workers %d: want 1..%d", c.workers, MaxWorkers)
-	check(c.handleTimeout < 0, "handle timeout %v: want > 0, or 0 for none", c.handleTimeout)
-	check(c.maxOverruns < 0, "max overruns %d: want >= 0", c.maxOverruns)
-	check(c.maxAttempts < 0, "max attempts %d: want >= 0", c.maxAttempts)
-	check(c.maxQueuedPerKey < 0, "max queued per key %d: want >= 0", c.maxQueuedPerKey)
-	check(c.intakeLimit < 1, "intake limit %d: want at least 1", c.intakeLimit)
+		"WithBackoff(%v, %v): want 0 < initial <= max", c.initialBackoff, c.maxBackoff)
+	check(!(c.jitter >= 0 && c.jitter <= 1), "WithJitter(%v): want 0..1", c.jitter) // also rejects NaN
+	check(c.workers < 1 || c.workers > MaxWorkers, "WithWorkers(%d): want 1..%d", c.workers, MaxWorkers)
+	check(c.handleTimeout < 0, "WithHandleTimeout(%v): want > 0, or 0 for none", c.handleTimeout)
+	check(c.maxOverruns < 0, "WithMaxOverruns(%d): want >= 0", c.maxOverruns)
+	check(c.maxAttempts < 0, "WithMaxAttempts(%d): want >= 0, 0 for no limit", c.maxAttempts)
+	check(c.maxQueuedPerKey < 0, "WithMaxQueuedPerKey(%d): want >= 0, 0 for no limit", c.maxQueuedPerKey)
+	check(c.intakeLimit < 1, "WithIntakeLimit(%d): want at least 1", c.intakeLimit)
 	check(c.resubInitial <= 0 || c.resubMax <= 0 || c.resubInitial > c.resubMax,
-		"resubscribe initial %v, max %v: want 0 < initial <= max", c.resubInitial, c.resubMax)
-	check(c.converter != nil && isNil(c.converter), "nil converter (%T)", c.converter)
-	check(c.metrics != nil && isNil(c.metrics), "nil metrics (%T)", c.metrics)
-	check(c.logger == nil, "nil logger")
+		"WithResubscribe(%v, %v): want 0 < initial <= max", c.resubInitial, c.resubMax)
+	check(c.converter != nil && isNil(c.converter), "WithConverter: nil converter (%T); leave the option out for none", c.converter)
+	check(c.metrics != nil && isNil(c.metrics), "WithMetrics: nil metrics (%T); leave the option out for none", c.metrics)
+	check(c.logger == nil, "WithLogger: nil logger; leave the option out for the default")
 	return errors.Join(errs...)
 }

@@ -368,7 +368,7 @@ func TestShutdownAfterStopReportsNothingOfItsOwn(t *testing.T) {
 // released as Shutdown decides. When a/1 returns in the window between
 // Shutdown's decision (left = 1) and its stop's lock, a/2 started, ignored
 // the stop's cancel and was Handled: nothing was dropped, yet Shutdown
-// said it "dropped 1 events". The stop now begins as Shutdown decides.
+// said it "dropped 1 event". The stop now begins as Shutdown decides.
 func TestShutdownErrsOnlyForEventsItDropped(t *testing.T) {
 	for round := 0; round < 400; round++ {
 		h, release := overrunningCall(t)
@@ -726,7 +726,7 @@ func TestShutdownErrorNamesTheEventsStuckCallsKeptFromTheWorkers(t *testing.T) {
 	_, aDropped := dropReason(h, ev{"a", 1})
 	_, bDropped := dropReason(h, ev{"b", 1})
 	require.True(t, aDropped && bDropped, "a/1 abandoned, b/1 dropped: %+v", h.drops.all())
-	require.Contains(t, err.Error(), "dropped 1 events",
+	require.Contains(t, err.Error(), "dropped 1 event",
 		"the drain lost b/1 (kept from the worker by stuck a/1) as well as a/1, but the error says only %q", err)
 }
 
@@ -770,8 +770,8 @@ func TestShutdownResultFollowsWhatItsDrainLost(t *testing.T) {
 		}
 	}
 	err := drainOutcome{atStop: atStop{left: 1}, gaveUp: 1}.err(live)
-	assert.ErrorContains(t, err, "abandoned 1 handler calls")
-	assert.ErrorContains(t, err, "dropped 1 events that stuck calls held back")
+	assert.ErrorContains(t, err, "abandoned 1 handler call")
+	assert.ErrorContains(t, err, "dropped 1 event that stuck calls held back")
 }
 
 // Two Shutdowns wait for one drain, which a stuck call ends; no Stop is
@@ -791,7 +791,7 @@ func TestConcurrentShutdownsReportTheSameLoss(t *testing.T) {
 	got := []error{awaitErr(t, errs), awaitErr(t, errs)}
 	for _, err := range got {
 		require.ErrorIs(t, err, ErrStopped)
-		require.ErrorContains(t, err, "abandoned 1 handler calls")
+		require.ErrorContains(t, err, "abandoned 1 handler call")
 		require.NotContains(t, err.Error(), "cut short",
 			"no Stop was called: the drain was not cut short, it ended on a stuck call (errors: %v)", got)
 	}
@@ -910,7 +910,7 @@ func TestSecondShutdownWhoseCtxEndsAfterAnotherStoppedReportsWhatTheDrainLost(t 
 				canceled++
 			} else {
 				require.ErrorIs(t, err, ErrStopped, "round %d", round)
-				require.ErrorContains(t, err, "abandoned 1 handler calls", "round %d", round)
+				require.ErrorContains(t, err, "abandoned 1 handler call", "round %d", round)
 			}
 		}
 		release()
@@ -964,7 +964,7 @@ func TestAStopOrCtxEndAfterTheDrainIsDoneCutsNothing(t *testing.T) {
 			assertBalanced(t, h.m.Stats())
 			require.NotErrorIs(t, err, context.Canceled, "ctx ended after the drain was done")
 			require.ErrorIs(t, err, ErrStopped)
-			assert.ErrorContains(t, err, "abandoned 1 handler calls")
+			assert.ErrorContains(t, err, "abandoned 1 handler call")
 			assert.NotContains(t, err.Error(), "cut short")
 		})
 	}
@@ -1014,7 +1014,7 @@ func TestAStopDuringAReportBesideAStuckCallCutsNothing(t *testing.T) {
 			assertBalanced(t, h.m.Stats())
 			require.EqualValues(t, 1, h.m.Stats().Handled, "b/1 handled either way")
 			require.ErrorIs(t, err, ErrStopped)
-			require.ErrorContains(t, err, "abandoned 1 handler calls")
+			require.ErrorContains(t, err, "abandoned 1 handler call")
 			require.NotContains(t, err.Error(), "cut short", "the Stop waited for b/1's report")
 		})
 	}

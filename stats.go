@@ -36,9 +36,10 @@ type Stats struct {
 }
 
 // Stats returns a consistent snapshot of the counters and gauges: the
-// counters move under mu and the gauges are derived from keyq and the calls,
-// so the identity holds in every snapshot.
+// identity the Stats type states holds in every snapshot.
 func (m *Monitor) Stats() Stats {
+	// The counters move under mu, and the gauges are derived from keyq and
+	// the calls under it.
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	s := m.stats
@@ -63,7 +64,7 @@ type Pending struct {
 	Key      string
 	Events   []any     // in the order they will be handled
 	Attempts int       // failed handler calls of the event at the head
-	Due      time.Time // when the queue replays (in the past while replaying)
+	Due      time.Time // when the queue replays, not before the key's call in progress ends (in the past while replaying)
 }
 
 // Pending returns a snapshot of every backoff queue, sorted by key.

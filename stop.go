@@ -12,9 +12,10 @@ import (
 // Stop ends intake, cancels every call in progress and waits for them to
 // return, abandoning (and dropping the event of) a call that overruns (see
 // WithHandleTimeout): it returns within about the handle timeout whatever
-// handlers do. Every event left, queued or in backoff, then goes to the
-// drop handler with ErrStopped. Stop is idempotent and safe for concurrent
-// use.
+// handlers do, as the monitor's clock counts it (with a fake clock, a
+// handler that ignores its ctx holds Stop until the test steps the clock).
+// Every event left, queued or in backoff, then goes to the drop handler
+// with ErrStopped. Stop is idempotent and safe for concurrent use.
 //
 // Stop also waits for what is already under way outside the handler: the
 // reports of returned calls, envelopes being taken and exits being read,
@@ -128,7 +129,7 @@ func (m *Monitor) finishStop() {
 // read or built) it still waits for.
 //
 // Its result, the first of these that applies:
-//   - ctx's error, if ctx ended before the drain was done (handlers not
+//   - an error wrapping ctx's error, if ctx ended before the drain was done (handlers not
 //     yet overrunning still running, events left, or the stream reader not
 //     yet done: it may take an envelope, which the stop drops), or its stop
 //     abandoned a call as ctx ended;
@@ -209,13 +210,13 @@ func (o drainOutcome) err(ctx context.Context) error {
 	}
 	var lost []string
 	if o.gaveUp > 0 {
-		lost = append(lost, fmt.Sprintf("abandoned %d handler calls", o.gaveUp))
+		lost = append(lost, "abandoned "+counted(o.gaveUp, "handler call"))
 	}
 	switch {
 	case o.cut && o.unfinished():
 		lost = append(lost, "was cut short: the monitor stopped before its drain was done")
 	case o.left > 0:
-		lost = append(lost, fmt.Sprintf("dropped %d events that stuck calls held back", o.left))
+		lost = append(lost, "dropped "+counted(o.left, "event")+" that stuck calls held back")
 	}
 	if len(lost) == 0 {
 		return nil

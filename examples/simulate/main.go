@@ -57,6 +57,7 @@ type options struct {
 	backoff    time.Duration
 	settle     time.Duration
 	metrics    string
+	logLevel   string
 }
 
 func main() {
@@ -69,6 +70,7 @@ func main() {
 	flag.DurationVar(&o.backoff, "backoff", 50*time.Millisecond, "initial backoff (doubles up to 20x)")
 	flag.DurationVar(&o.settle, "settle", 30*time.Second, "at most how long retries may run after the runtime stops; Shutdown follows as soon as every queue drained")
 	flag.StringVar(&o.metrics, "metrics-addr", "", "serve Prometheus metrics on this address (e.g. localhost:9090) at /metrics")
+	flag.StringVar(&o.logLevel, "log-level", "fatal", "the monitor's log level (error shows each simulated failure, info each retry too)")
 	flag.Parse()
 	if err := run(o); err != nil {
 		fmt.Fprintln(os.Stderr, "simulate:", err)
@@ -131,7 +133,11 @@ func (r *runtime) next(id string) int {
 }
 
 func run(o options) error {
-	log.L.Logger.SetLevel(log.ErrorLevel) // the summary line tells the story
+	// The summary lines tell the story: by default the monitor logs nothing,
+	// as each simulated failure would be an error line.
+	if err := log.SetLevel(o.logLevel); err != nil {
+		return err
+	}
 	h := &handler{fail: o.fail, lastSeq: map[string]int{}}
 	var dropMu sync.Mutex
 	dropped := map[string]int{}
