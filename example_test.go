@@ -309,3 +309,65 @@ func ExampleMonitor_WaitIdle() {
 	// call 2 failed; retry due in 2s
 	// handled at call 3
 }
+
+// Backoff puts an event straight into its key's backoff queue, as
+// containerd's CRI monitor does with an exit it could not handle at once:
+// it is handled when the queue is due, the key's later events behind it,
+// while other keys go on.
+func ExampleMonitor_Backoff() {
+	clk := testclock.NewFakeClock(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
+	m, err := eventmonitor.New(eventmonitor.HandlerFunc(func(ctx context.Context, event any) error {
+		fmt.Println("handled", event, "at", clk.Now().Format(time.TimeOnly))
+		return nil
+	}), eventmonitor.WithClock(clk), eventmonitor.WithBackoff(time.Second, time.Minute))
+	if err != nil {
+		panic(err)
+	}
+	defer m.Stop()
+
+	ctx := context.Background()
+	m.Backoff("c1", "c1 exit")
+	_ = m.Submit("c1", "c1 delete") // waits behind the exit
+	_ = m.Submit("c2", "c2 start")
+	if err := m.WaitIdle(ctx); err != nil {
+		panic(err)
+	}
+	due, _ := m.NextRetry()
+	clk.SetTime(due)
+	if err := m.WaitIdle(ctx); err != nil {
+		panic(err)
+	}
+	// Output:
+	// handled c2 start at 00:00:00
+	// handled c1 exit at 00:00:01
+	// handled c1 delete at 00:00:01
+}
+
+// WithDeferredStart holds handling until Start or Run, as containerd's CRI
+// plugin queues the exits it sees while it recovers its containers on a
+// restart: what was accepted before is handled, in order, once Start is
+// called.
+func ExampleWithDeferredStart() {
+	m, err := eventmonitor.New(eventmonitor.HandlerFunc(func(ctx context.Context, event any) error {
+		fmt.Println("handled", event)
+		return nil
+	}), eventmonitor.WithDeferredStart())
+	if err != nil {
+		panic(err)
+	}
+	defer m.Stop()
+
+	ctx := context.Background()
+	_ = m.Submit("c1", "c1 exit, seen while recovering")
+	if err := m.WaitIdle(ctx); err != nil { // a held monitor is idle with its events queued
+		panic(err)
+	}
+	fmt.Println("before Start:", m.Stats().Queued, "queued")
+	m.Start() // without Subscribe it reads nothing: its channel stands for the monitor's life
+	if err := m.WaitIdle(ctx); err != nil {
+		panic(err)
+	}
+	// Output:
+	// before Start: 1 queued
+	// handled c1 exit, seen while recovering
+}
