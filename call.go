@@ -123,19 +123,12 @@ func (m *Monitor) startCall(k *keyq.Key[item], it item, replayStart bool, s slot
 	return c
 }
 
-// work is a worker: call c, then the calls its slot takes on, until no key
-// is ready or its slot went to a new worker while its call overran.
+// work is a worker: call c, if any, then the calls its slot takes on, until
+// no key is ready or its slot went to a new worker while its call overran.
+// A new worker takes over from one that a user's callback ended.
 func (m *Monitor) work(c *call) {
 	for c != nil {
 		c = m.handle(c)
-	}
-}
-
-// workOn hands next, if any, to a new worker: a user's callback ended the
-// goroutine of the worker it was for.
-func (m *Monitor) workOn(next *call) {
-	if next != nil {
-		go m.work(next)
 	}
 }
 
@@ -144,14 +137,14 @@ func (m *Monitor) handle(c *call) (next *call) {
 	if c.replayStart {
 		// Before the CAS: a call held up in a log hook has invoked no
 		// handler yet, so Stop may still withdraw it.
-		onGoexit(func() { m.logRetry(c) }, func() { c.replayStart = false; m.workOn(c) })
+		onGoexit(func() { m.logRetry(c) }, func() { c.replayStart = false; go m.work(c) })
 	}
 	if !c.progress.CompareAndSwap(notBegun, invoked) {
 		return nil // Stop withdrew it before it began, and accounted for it
 	}
 	var ignored bool
 	var err error
-	onGoexit(func() { ignored, err = m.invoke(c) }, func() { m.workOn(m.finish(c, false, errHandlerExited)) })
+	onGoexit(func() { ignored, err = m.invoke(c) }, func() { go m.work(m.finish(c, false, errHandlerExited)) })
 	return m.finish(c, ignored, err)
 }
 
@@ -209,7 +202,7 @@ func (m *Monitor) finish(c *call, ignored bool, err error) (next *call) {
 		defer m.mu.Unlock()
 		return m.release(c, out)
 	}
-	onGoexit(func() { m.report(c, err, end, out, wasOverrun) }, func() { m.workOn(lockAndRelease()) })
+	onGoexit(func() { m.report(c, err, end, out, wasOverrun) }, func() { go m.work(lockAndRelease()) })
 	return lockAndRelease()
 }
 
