@@ -60,16 +60,14 @@ func (m *Monitor) ingest(ctx context.Context, env *Envelope) {
 		it.origin = &origin{env.Topic, env.Namespace}
 	}
 	var key, url string
-	var event any
 	var ignored bool
 	var err error
 	onGoexit(func() {
-		key, event, ignored, err = m.convert(env)
+		key, it.event, ignored, err = m.convert(env)
 		if ignored { // the payload's code: not under mu, nor unguarded
 			m.logOnPanic("the payload's GetTypeUrl", "", func() { url = env.Event.GetTypeUrl() })
 		}
-	}, func() { m.dropInHand("", it, errConverterExited) })
-	it.event = event
+	}, func() { m.dropInHand("", it, errConverterExited) }) // it.event is nil: convert did not return, or ignored it
 	m.mu.Lock()
 	var drops []Drop
 	firstIgnored := false
