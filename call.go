@@ -189,21 +189,17 @@ func (m *Monitor) finish(c *call, ignored bool, err error) (next *call) {
 	}
 	wasOverrun := c.stage == overran
 	out := m.settle(c, err, ignored, end)
-	if !wasOverrun && out.failed == nil && m.cfg.metrics == nil { // nothing to report
-		next = m.release(c, out)
-		m.mu.Unlock()
-		return next
-	}
-	c.stage = settling // WaitIdle and Stop wait for the report
-	m.reconcile()
-	m.mu.Unlock() // the report runs user code: logger, Metrics, drop handler
-	lockAndRelease := func() *call {
+	if wasOverrun || out.failed != nil || m.cfg.metrics != nil { // something to report
+		c.stage = settling // WaitIdle and Stop wait for the report
+		m.reconcile()
+		m.mu.Unlock() // the report runs user code: logger, Metrics, drop handler
+		onGoexit(func() { m.report(c, err, end, out, wasOverrun) },
+			func() { m.mu.Lock(); defer m.mu.Unlock(); go m.work(m.release(c, out)) })
 		m.mu.Lock()
-		defer m.mu.Unlock()
-		return m.release(c, out)
 	}
-	onGoexit(func() { m.report(c, err, end, out, wasOverrun) }, func() { go m.work(lockAndRelease()) })
-	return lockAndRelease()
+	next = m.release(c, out)
+	m.mu.Unlock()
+	return next
 }
 
 // release ends settled call c: the key of a dropped event, held until the
