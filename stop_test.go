@@ -588,3 +588,25 @@ func TestAnAbandonedCallsKeyGetsNoSecondCall(t *testing.T) {
 	assertBalanced(t, s)
 	require.Zero(t, s.Queued+s.KeysInBackoff+s.EventsInBackoff+s.InFlight+s.Overrunning, "%+v", s)
 }
+
+// WaitIdle returns ErrStopped at once while the monitor is stopping with
+// work left, as its doc says: called while Stop waits for a handler that
+// ignores its ctx (no handle timeout), it does not wait for that handler.
+// (Review 50: no test failed without WaitIdle's case for it.)
+func TestWaitIdleWhileAStopWaitsReturnsErrStopped(t *testing.T) {
+	r := newRecorder()
+	started, release := r.gate(ev{"a", 1})
+	h := newHarness(t, r, WithHandleTimeout(0))
+	t.Cleanup(release) // before the harness's Stop, which waits for the handler
+	h.submit(t, ev{"a", 1})
+	<-started
+	stopDone := make(chan struct{})
+	go func() { h.m.Stop(); close(stopDone) }()
+	waitFor(t, stateIs(h.m, stopped), "Stop began")
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	require.ErrorIs(t, h.m.WaitIdle(ctx), ErrStopped)
+	require.NoError(t, ctx.Err(), "WaitIdle waited for the handler Stop waits for")
+	release()
+	<-stopDone
+}
