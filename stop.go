@@ -225,15 +225,10 @@ func (o drainOutcome) err(ctx context.Context) error {
 }
 
 // drainable reports whether a drain can still move: a call that is not an
-// overrunning handler (a returned one is being settled) will finish, or a
-// ready key has a free slot. mu is held.
+// overrunning handler (a returned one is being settled) will finish. A
+// ready key never waits for a free slot: reconcile gives it one. mu is held.
 func (m *Monitor) drainable() bool {
-	for _, c := range m.calls {
-		if !c.runningIn(overran) {
-			return true
-		}
-	}
-	return m.keys.HasReady() && m.slotsHeld() < m.cfg.workers
+	return slices.ContainsFunc(m.calls, func(c *call) bool { return !c.runningIn(overran) })
 }
 
 // cutsDrain reports whether a stop now cuts a Shutdown's drain short: one
