@@ -210,13 +210,11 @@ func (s *Set[T]) Done(k *Key[T]) {
 func (s *Set[T]) Failed(k *Key[T], it T, now time.Time) {
 	s.uncount(k)
 	k.items = slices.Insert(k.items, 0, it) // failures are rare: a copy is fine
-	// The replay's first call failed: the key still fails, so it waits longer.
-	if b := k.backoff; k.inReplayCall() && b.taken == 1 {
-		b.delay = doubled(b.delay, s.delays.Max)
-		b.due, b.taken, b.replayLeft, b.afterReplay = s.dueAfter(now, b.delay), 0, 0, time.Time{}
-	} else {
-		k.backoff = &backoff{delay: s.delays.Initial, due: s.dueAfter(now, s.delays.Initial)}
+	delay := s.delays.Initial
+	if k.inReplayCall() && k.backoff.taken == 1 { // the replay's first call: the key still fails, so it waits longer
+		delay = doubled(k.backoff.delay, s.delays.Max)
 	}
+	k.backoff = &backoff{delay: delay, due: s.dueAfter(now, delay)}
 	s.moveTo(k, Waiting)
 	s.count(k)
 }
