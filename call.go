@@ -50,8 +50,7 @@ const (
 // call is one handler call, and also the handler's ctx. It embeds a
 // standard cancel context (cancelled at the call's end, its deadline or
 // Stop), so that contexts derived from it cost no goroutine, even below a
-// context.WithValue. Deadline reports the monitor clock's deadline, and
-// Value gives log.G the call's key.
+// context.WithValue.
 type call struct {
 	context.Context
 	cancel      context.CancelCauseFunc
@@ -220,8 +219,7 @@ func (m *Monitor) release(c *call, out outcome) (next *call) {
 }
 
 // settle records a returned call's outcome: handled, ignored (no route),
-// back at its key's head to wait, or given up on (the caller releases the
-// key once the drop is reported). mu is held.
+// back at its key's head to wait, or given up on (see release). mu is held.
 func (m *Monitor) settle(c *call, err error, ignored bool, end time.Time) outcome {
 	switch {
 	case err == nil:

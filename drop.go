@@ -91,8 +91,7 @@ func (m *Monitor) emit(drops ...Drop) {
 	}
 }
 
-// logOnPanic runs fn, which calls a user's callback, and logs its panic,
-// so that it cannot take a worker, a watcher or the stream down.
+// logOnPanic runs fn, which calls a user's callback, and logs its panic.
 func (m *Monitor) logOnPanic(callback, key string, fn func()) {
 	if r, ok := recovering(fn); !ok {
 		m.cfg.logger.WithField("key", key).Errorf("%s panicked: %s", callback, panicked(r))

@@ -139,9 +139,8 @@ func (m *Monitor) poke() {
 	}
 }
 
-// schedule is the scheduler's goroutine: a pass (reconcile replays what is
-// due) each time the timer fires or it is poked, until Stop left nothing
-// to time.
+// schedule is the scheduler's goroutine: a pass each time the timer fires
+// or it is poked, until Stop left nothing to time.
 func (m *Monitor) schedule(fired <-chan time.Time) {
 	defer m.watchers.Done()
 	for {

@@ -38,8 +38,6 @@ type Stats struct {
 // Stats returns a consistent snapshot of the counters and gauges: the
 // identity the Stats type states holds in every snapshot.
 func (m *Monitor) Stats() Stats {
-	// The counters move under mu, and the gauges are derived from keyq and
-	// the calls under it.
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	s := m.stats
