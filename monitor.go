@@ -66,7 +66,8 @@ type Monitor struct {
 	stream streamState
 	// accepting: envelopes and exits received, not yet queued or dropped.
 	accepting int
-	// abandonedDrops: events of calls Stop gave up on, for it to hand over.
+	// abandonedDrops: a Drop for each call Stop gave up on, for it to hand
+	// over; kept, for Shutdown to count them.
 	abandonedDrops []Drop
 
 	intake    context.Context // ends when Shutdown or Stop begins

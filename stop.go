@@ -56,8 +56,7 @@ func (m *Monitor) beginStop(cut bool) {
 	if m.state == stopped {
 		return
 	}
-	m.atStop = atStop{cut: cut, reading: m.stream.reader == consuming,
-		left: m.keys.Events(), calls: slices.Clone(m.calls),
+	m.atStop = atStop{cut: cut, reading: m.stream.reader == consuming, left: m.keys.Events(),
 		busy: !m.idle() || m.sched.overdue(m.cfg.clock.Now())}
 	m.state = stopped
 	close(m.stopping)
@@ -103,8 +102,7 @@ func (m *Monitor) finishStop() {
 	for m.accepting > 0 {
 		m.cond.Wait()
 	}
-	drops := m.abandonedDrops
-	m.abandonedDrops = nil
+	drops := slices.Clip(m.abandonedDrops) // appending leaves them be
 	var names []string
 	m.keys.Keys(func(k *keyq.Key[item]) { names = append(names, k.Name()) })
 	slices.Sort(names)
@@ -168,23 +166,18 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	m.mu.Unlock()
 	o.byCtx = m.stop(ctx) // a Stop already waiting does not hold it past ctx
 	m.mu.Lock()
-	for _, c := range o.calls { // they may have returned, or been abandoned by any stop
-		if c.stage == abandoned {
-			o.gaveUp++
-		}
-	}
+	o.gaveUp = len(m.abandonedDrops) // by any stop: no call is left to abandon
 	m.mu.Unlock()
 	return o.err(ctx)
 }
 
 // atStop is what was left as the stop began.
 type atStop struct {
-	cut     bool    // a Stop, or a Shutdown whose ctx ended, began it while a Shutdown's drain could move
-	reading bool    // the stream reader was consuming
-	left    int     // events queued, which the stop drops
-	calls   []*call // in progress or being settled
-	running int     // of the calls, those whose handler had not returned and had not overrun
-	busy    bool    // work WaitIdle waits for was left: not idle, or a replay due
+	cut     bool // a Stop, or a Shutdown whose ctx ended, began it while a Shutdown's drain could move
+	reading bool // the stream reader was consuming
+	left    int  // events queued, which the stop drops
+	running int  // calls whose handler had not returned and had not overrun
+	busy    bool // work WaitIdle waits for was left: not idle, or a replay due
 }
 
 // drainOutcome is what a Shutdown's drain left as the stop began, and what
@@ -194,7 +187,7 @@ type drainOutcome struct {
 	stoppedFirst bool // a Stop had begun when Shutdown was called
 	ended        bool // ctx had ended when the drain did (so no Stop had)
 	byCtx        int  // calls its stop abandoned as ctx ended, not overrunning
-	gaveUp       int  // of the calls, those abandoned
+	gaveUp       int  // calls abandoned, by any stop
 }
 
 // unfinished reports whether the stop began with work left to drain.
