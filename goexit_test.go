@@ -1395,3 +1395,39 @@ func goexitThenFail(x *exclusive) Handler {
 		return nil
 	})
 }
+
+// countingGoexitHook counts the log lines whose message is match, and ends
+// the goroutine (runtime.Goexit) on the first.
+type countingGoexitHook struct {
+	match string
+	n     atomic.Int32
+}
+
+func (h *countingGoexitHook) Levels() []logrus.Level { return logrus.AllLevels }
+
+func (h *countingGoexitHook) Fire(e *logrus.Entry) error {
+	if e.Message == h.match && h.n.Add(1) == 1 {
+		runtime.Goexit()
+	}
+	return nil
+}
+
+// A log hook that ends the worker's goroutine on a replay's retry line: the
+// new worker makes the call without logging the retry again (were the hook
+// to end every such line, a worker would follow a worker for ever). Review
+// 50: deleting "c.replayStart = false" in handle passed the suite.
+func TestAGoexitInTheRetryLineIsNotLoggedAgain(t *testing.T) {
+	r := newRecorder()
+	r.fail(ev{"a", 1}, 1)
+	logger := logrus.New()
+	logger.Out = io.Discard
+	hook := &countingGoexitHook{match: "retrying backed-off events"}
+	logger.AddHook(hook)
+	h := newHarness(t, r, WithLogger(logrus.NewEntry(logger)))
+	h.submit(t, ev{"a", 1})
+	h.settled(t)
+	h.clock.Step(DefaultInitialBackoff)
+	h.settled(t)
+	require.Equal(t, []any{ev{"a", 1}}, r.handledOf("a"))
+	require.Equal(t, int32(1), hook.n.Load(), "the retry line was logged again")
+}

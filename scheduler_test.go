@@ -766,3 +766,20 @@ func TestAnOverrunningCallHoldsNoTimer(t *testing.T) {
 	waitFor(t, func() bool { return h.m.Stats().Overrunning == 1 }, "overran")
 	waitFor(t, func() bool { return !h.clock.HasWaiters() }, "no timer once it overran")
 }
+
+// Promise (WaitIdle's doc): "A held monitor (WithDeferredStart) ... times no
+// retry". A Backoff on a held monitor arms no timer: the scheduler would
+// wake for a replay that reconcile may not make, and set the timer again,
+// at once, for as long as the hold lasts. Review 50: deleting wakeAt's
+// "m.state == running" passed the suite.
+func TestAHeldMonitorTimesNoRetry(t *testing.T) {
+	h := newHarness(t, newRecorder(), WithDeferredStart())
+	h.m.Backoff("a", ev{"a", 1})
+	h.settled(t)
+	require.True(t, h.m.InBackoff("a"))
+	require.False(t, h.clock.HasWaiters(), "a held monitor set a timer")
+	h.clock.Step(time.Hour) // past its due: still nothing replays, nothing is timed
+	h.settled(t)
+	require.False(t, h.clock.HasWaiters(), "a held monitor set a timer")
+	require.Equal(t, uint64(0), h.m.Stats().Retried)
+}

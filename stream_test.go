@@ -959,3 +959,57 @@ func TestARunAfterAStartResyncs(t *testing.T) {
 	require.NoError(t, awaitErr(t, ran))
 	require.Len(t, resyncs, 1)
 }
+
+// Promise (Subscribe's doc): "Subscribing again before Start ends the
+// earlier stream." Review 50: deleting Subscribe's previous.cancel()
+// passed the suite.
+func TestSubscribingAgainEndsTheEarlierStream(t *testing.T) {
+	h := newHarness(t, newRecorder(), WithConverter(NewConverter()))
+	var first context.Context
+	h.m.Subscribe(SubscriberFunc(func(ctx context.Context, _ ...string) (<-chan *Envelope, <-chan error) {
+		first = ctx
+		return make(chan *Envelope), make(chan error)
+	}))
+	h.m.Subscribe(SubscriberFunc(func(ctx context.Context, _ ...string) (<-chan *Envelope, <-chan error) {
+		return make(chan *Envelope), make(chan error)
+	}))
+	require.Error(t, first.Err(), "the first stream's ctx is still live")
+}
+
+// Bound (maxIgnoredURLs): the type URLs the stream reader remembers, to log
+// an ignored type once, are bounded; past the bound an ignored type is
+// counted, not logged. Review 50: deleting the bound passed the suite.
+func TestIgnoredTypeURLsAreRememberedUpToABound(t *testing.T) {
+	conv := ConverterFunc(func(typeurl.Any) (string, any, error) { return "", nil, ErrUnsupportedEvent })
+	h := newHarness(t, newRecorder(), WithConverter(conv))
+	for i := range maxIgnoredURLs + 10 {
+		h.m.ingest(context.Background(), &Envelope{Topic: "/t", Event: &anypb.Any{TypeUrl: fmt.Sprint("t/", i)}})
+	}
+	require.Equal(t, maxIgnoredURLs, len(h.entries("ignoring events of a type the converter has no key for; logged once per type")))
+	require.Equal(t, uint64(maxIgnoredURLs+10), h.m.Stats().Ignored)
+}
+
+// Promise (ingest): at WithIntakeLimit the reader waits for room "until ctx
+// ends or intake stops": Run's ctx ending frees it while the monitor, still
+// running, has no room. Review 50: deleting "ctx.Err() == nil" from that
+// wait passed the suite.
+func TestIntakeWaitingForRoomEndsWithItsCtx(t *testing.T) {
+	r := newRecorder()
+	started, release := r.gate(ev{"a", 1})
+	conv := ConverterFunc(func(typeurl.Any) (string, any, error) { return "c", ev{"c", 1}, nil })
+	h := newHarness(t, r, WithConverter(conv), WithIntakeLimit(1))
+	t.Cleanup(release) // before the harness's Stop, which waits for the handler
+	h.submit(t, ev{"a", 1}, ev{"b", 1})
+	<-started // a/1 runs on the only worker, b/1 waits: no room
+	ctx, cancel := context.WithCancel(context.Background())
+	defer context.AfterFunc(ctx, h.m.wakeWaiters)() // as consume does
+	done := make(chan struct{})
+	go func() { h.m.ingest(ctx, &Envelope{Topic: "/t", Event: &anypb.Any{TypeUrl: "t/c"}}); close(done) }()
+	waitFor(t, func() bool { return goroutinesIn("(*Monitor).ingest", "sync.(*Cond).Wait") == 1 }, "ingest waits for room")
+	cancel()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("ingest still waits for room after its ctx ended")
+	}
+}

@@ -113,3 +113,32 @@ func TestStreamInASynctestBubble(t *testing.T) {
 		}
 	})
 }
+
+// An exit already in exitCh as Stop begins is read, and handled or dropped
+// with ErrStopped, whichever of the exit and the stop the watcher's select
+// takes first: never left unread and uncounted. (Review 50: no test failed
+// without the watcher's second look at exitCh.)
+func TestAnExitWaitingAsStopBeginsIsAccountedFor(t *testing.T) {
+	for range 50 {
+		synctest.Test(t, func(t *testing.T) {
+			var dropped atomic.Int32
+			m, err := eventmonitor.New(eventmonitor.HandlerFunc(func(context.Context, any) error { return nil }),
+				eventmonitor.WithDropHandler(func(d eventmonitor.Drop) {
+					if errors.Is(d.Reason, eventmonitor.ErrStopped) {
+						dropped.Add(int32(len(d.Events)))
+					}
+				}))
+			if err != nil {
+				t.Fatal(err)
+			}
+			exitCh := make(chan exitStatus, 1)
+			exitCh <- exitStatus{code: 1}
+			eventmonitor.WatchExit(context.Background(), m, "a", exitCh, func(uint32, time.Time) any { return "exit" })
+			m.Stop()
+			s := m.Stats()
+			if len(exitCh) != 0 || s.Received != 1 || s.Handled+s.Dropped != 1 || s.Dropped != uint64(dropped.Load()) {
+				t.Fatalf("exit left in its channel: %d; stats %+v; dropped with ErrStopped: %d", len(exitCh), s, dropped.Load())
+			}
+		})
+	}
+}
