@@ -9,9 +9,8 @@ import (
 // key is waiting in backoff. A key given Backoff while its call runs is
 // due the initial delay from that Backoff, but waits (and shows here) only
 // once the call ends, replaying at once if that time has passed: call
-// WaitIdle first. A held monitor
-// (WithDeferredStart) replays nothing until Start, Run or Shutdown, even
-// when that time comes.
+// WaitIdle first. A held monitor (WithDeferredStart) replays nothing until
+// Start, Run or Shutdown, even when that time comes.
 func (m *Monitor) NextRetry() (time.Time, bool) {
 	m.mu.Lock()
 	defer m.mu.Unlock()

@@ -46,6 +46,8 @@ const (
 	DefaultMaxOverruns        = 64
 )
 
+// defaultConfig is New's starting point, before the options: the Default
+// values above.
 func defaultConfig() config {
 	return config{clock: clock.RealClock{}, initialBackoff: DefaultInitialBackoff, maxBackoff: DefaultMaxBackoff,
 		workers: 1, handleTimeout: DefaultHandleTimeout, maxOverruns: DefaultMaxOverruns, intakeLimit: DefaultIntakeLimit,

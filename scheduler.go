@@ -8,11 +8,11 @@ import (
 	"k8s.io/utils/clock"
 )
 
-// The scheduler wakes when a backoff queue is due (reconcile replays it) and
-// ends the ctx of calls at their deadline. Whoever changes what is due sets its one
-// timer, under mu, for the earliest of the two (retime, from reconcile); one
-// goroutine, started with the first thing to time and ended by Stop, waits
-// on it. An idle monitor holds no timer.
+// The scheduler wakes when a backoff queue is due (reconcile replays it)
+// and ends the ctx of calls at their deadline. Whoever changes what is due
+// sets its one timer, under mu, for the earliest of the two (retime, from
+// reconcile); one goroutine, started with the first thing to time and
+// ended by Stop, waits on it. An idle monitor holds no timer.
 
 // schedulerState is guarded by Monitor.mu.
 type schedulerState struct {

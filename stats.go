@@ -60,9 +60,11 @@ func (m *Monitor) Stats() Stats {
 // Pending is one key's backoff queue as Pending() saw it.
 type Pending struct {
 	Key      string
-	Events   []any     // in the order they will be handled
-	Attempts int       // failed handler calls of the event at the head
-	Due      time.Time // when the queue replays, not before the key's call in progress ends (in the past while replaying)
+	Events   []any // in the order they will be handled
+	Attempts int   // failed handler calls of the event at the head
+	// Due: when the queue replays, but not before the key's call in
+	// progress ends (in the past while replaying).
+	Due time.Time
 }
 
 // Pending returns a snapshot of every backoff queue, sorted by key.

@@ -127,10 +127,10 @@ func (m *Monitor) finishStop() {
 // read or built) it still waits for.
 //
 // Its result, the first of these that applies:
-//   - an error wrapping ctx's error, if ctx ended before the drain was done (handlers not
-//     yet overrunning still running, events left, or the stream reader not
-//     yet done: it may take an envelope, which the stop drops), or its stop
-//     abandoned a call as ctx ended;
+//   - an error wrapping ctx's error, if ctx ended before the drain was
+//     done (handlers not yet overrunning still running, events left, or
+//     the stream reader not yet done: it may take an envelope, which the
+//     stop drops), or its stop abandoned a call as ctx ended;
 //   - nil, if a Stop had begun before it was called: what that Stop loses
 //     is its own;
 //   - an error wrapping ErrStopped that says what its drain lost: calls
