@@ -57,3 +57,57 @@ func FuzzDueHeap(f *testing.F) {
 		}
 	})
 }
+
+// FuzzFifo checks a key's queue against a plain slice: pushes, pops and
+// pushes back to the head in any order, and that what it no longer holds
+// is not kept reachable through its array.
+func FuzzFifo(f *testing.F) {
+	f.Add([]byte{0, 0, 0, 1, 0, 1, 1, 2, 0, 0, 0, 0})
+	f.Add([]byte{0, 1, 2, 1, 0, 0, 1, 1, 1})
+	f.Fuzz(func(t *testing.T, ops []byte) {
+		var q fifo[*int]
+		var model []*int
+		for i, op := range ops[:min(len(ops), maxFuzzOps)] {
+			switch v := new(int); {
+			case op%3 == 0:
+				*v = i
+				q.push(v)
+				model = append(model, v)
+			case op%3 == 1 && len(model) > 0:
+				if got := q.pop(); got != model[0] {
+					t.Fatalf("op %d: popped %d, want %d", i, *got, *model[0])
+				}
+				model = model[1:]
+			case op%3 == 2:
+				*v = -i
+				q.pushFront(v)
+				model = slices.Insert(model, 0, v)
+			}
+			if q.len() != len(model) || !slices.Equal(q.all(), model) {
+				t.Fatalf("op %d: queue %v, want %v", i, q.all(), model)
+			}
+			for j, it := range q.items[:cap(q.items)] {
+				if it != nil && !slices.Contains(model, it) {
+					t.Fatalf("op %d: slot %d still holds %d, no longer queued", i, j, *it)
+				}
+			}
+		}
+	})
+}
+
+// TestAFifoKeepingABacklogReusesItsArray: a key whose worker keeps up with
+// its pushes, but stays a few events behind, keeps one array.
+func TestAFifoKeepingABacklogReusesItsArray(t *testing.T) {
+	var q fifo[int]
+	for i := range 5 {
+		q.push(i)
+	}
+	array := &q.items[:1][0]
+	for i := range 1000 {
+		q.push(i)
+		q.pop()
+	}
+	if &q.items[:1][0] != array || cap(q.items) != 8 {
+		t.Errorf("array of %d, moved: %v; want the first one, of 8", cap(q.items), &q.items[:1][0] != array)
+	}
+}
