@@ -235,3 +235,25 @@ func TestOverrunDuringStopIsNotReportedAsOverTheLimit(t *testing.T) {
 			"one overrun of %d allowed reported as over the limit: %v", DefaultMaxOverruns, e.Data)
 	}
 }
+
+// A call that overruns while Stop waits for it keeps its slot: no call
+// starts once stopped, so a new worker would be a goroutine for nothing.
+// Its warning says it was not replaced, and no limit is reported.
+func TestACallOverrunningDuringStopIsNotReplaced(t *testing.T) {
+	r := newRecorder()
+	h := newHarness(t, r, WithHandleTimeout(time.Second), WithMaxOverruns(1))
+	started, release := r.gate(ev{"a", 1})
+	defer release()
+	h.submit(t, ev{"a", 1})
+	<-started
+	stopped := make(chan struct{})
+	go func() { h.m.Stop(); close(stopped) }()
+	waitFor(t, h.stopping, "Stop begun")
+	h.clock.Step(time.Second + grace) // a overruns: Stop abandons it
+	<-stopped
+	waitFor(t, func() bool { return h.logged(overranLine, "a") }, "a's overrun logged")
+	lines := h.entries(overranLine)
+	require.Len(t, lines, 1)
+	assert.Equal(t, false, lines[0].Data["replaced"], "no worker replaces a call once stopped")
+	assert.Empty(t, h.entries("too many handler calls overrunning their timeout (WithMaxOverruns): this one keeps its worker"))
+}
