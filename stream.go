@@ -35,15 +35,21 @@ type subscription struct {
 
 // Subscribe subscribes to s for Start, as containerd's CRI monitor does, until
 // Stop or Shutdown. Subscribing again before Start ends the earlier stream.
+// Without WithConverter it opens no stream, which nothing could read:
+// Start reports ErrNoConverter.
 func (m *Monitor) Subscribe(s Subscriber, filters ...string) {
 	if isNil(s) {
 		panic("eventmonitor: Subscribe with a nil Subscriber")
 	}
-	ctx, cancel := context.WithCancel(m.intake)
-	ch, errs := s.Subscribe(ctx, filters...)
+	sub := &subscription{cancel: func() {}}
+	if m.cfg.converter != nil {
+		ctx, cancel := context.WithCancel(m.intake)
+		sub.ch, sub.errs = s.Subscribe(ctx, filters...)
+		sub.cancel = cancel
+	}
 	m.mu.Lock()
 	previous := m.stream.subscribed
-	m.stream.subscribed = &subscription{ch: ch, errs: errs, cancel: cancel}
+	m.stream.subscribed = sub
 	m.mu.Unlock()
 	if previous != nil {
 		previous.cancel() // never started: nobody would read it

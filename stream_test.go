@@ -61,10 +61,17 @@ func envelope(t testing.TB, ns string, v any) *Envelope {
 	return &Envelope{Timestamp: epoch, Namespace: ns, Topic: "/test", Event: payload(t, v)}
 }
 
+// Without a converter Start refuses, and Subscribe opens no stream that
+// would stay unread until Stop.
 func TestStartNeedsConverter(t *testing.T) {
 	h := newHarness(t, newRecorder())
-	h.m.Subscribe(newFakeStream())
+	opened := 0
+	h.m.Subscribe(SubscriberFunc(func(ctx context.Context, filters ...string) (<-chan *Envelope, <-chan error) {
+		opened++
+		return newFakeStream().Subscribe(ctx, filters...)
+	}))
 	require.ErrorIs(t, <-h.m.Start(), ErrNoConverter)
+	assert.Zero(t, opened, "streams opened")
 }
 
 func TestStreamIntakeFiltersConvertsAndDrops(t *testing.T) {
