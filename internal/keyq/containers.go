@@ -1,45 +1,6 @@
 package keyq
 
-import (
-	"container/heap"
-	"slices"
-)
-
-// fifo is a key's events in order. A pop moves start rather than the slice,
-// so a push that finds the array full can move the events back to its
-// front instead of growing it: a key that keeps a backlog keeps one array.
-type fifo[T any] struct {
-	items []T // items[start:] are queued; those before are zero
-	start int
-}
-
-func (q *fifo[T]) len() int { return len(q.items) - q.start }
-func (q *fifo[T]) all() []T { return q.items[q.start:] }
-
-func (q *fifo[T]) push(it T) {
-	if len(q.items) == cap(q.items) && q.start > 0 {
-		n := copy(q.items, q.all())
-		clear(q.items[n:])
-		q.items, q.start = q.items[:n], 0
-	}
-	q.items = append(q.items, it)
-}
-
-// pop removes the head, which the queue then no longer references.
-func (q *fifo[T]) pop() T {
-	var zero T
-	it := q.items[q.start]
-	q.items[q.start] = zero
-	if q.start++; q.start == len(q.items) {
-		q.items, q.start = q.items[:0], 0
-	}
-	return it
-}
-
-// pushFront puts it back at the head; failures are rare, so a copy is fine.
-func (q *fifo[T]) pushFront(it T) {
-	q.items, q.start = slices.Insert(q.all(), 0, it), 0
-}
+import "container/heap"
 
 // runQueue is the Ready keys in the order they became ready, linked
 // through the keys so that Forget takes one out in O(1).

@@ -36,7 +36,10 @@
 //	                  last, and its failure is the replay's, as above
 package keyq
 
-import "time"
+import (
+	"slices"
+	"time"
+)
 
 // Phase is where a key is in its life; see the package doc.
 type Phase uint8
@@ -52,7 +55,7 @@ const (
 type Key[T any] struct {
 	name    string
 	phase   Phase
-	items   fifo[T]  // in order; the head is the next to handle
+	items   []T      // in order; the head is the next to handle
 	backoff *backoff // set while the key is in backoff: waiting or replaying
 	prev    *Key[T]  // run queue links, while Ready
 	next    *Key[T]
@@ -61,8 +64,8 @@ type Key[T any] struct {
 
 func (k *Key[T]) Name() string    { return k.name }
 func (k *Key[T]) Phase() Phase    { return k.phase }
-func (k *Key[T]) Len() int        { return k.items.len() }
-func (k *Key[T]) Items() []T      { return k.items.all() }
+func (k *Key[T]) Len() int        { return len(k.items) }
+func (k *Key[T]) Items() []T      { return k.items }
 func (k *Key[T]) InBackoff() bool { return k.backoff != nil }
 
 // Set holds every key that is not Idle.
@@ -119,7 +122,7 @@ func (s *Set[T]) Push(name string, it T) *Key[T] {
 		s.keys[name] = k
 	}
 	s.uncount(k)
-	k.items.push(it)
+	k.items = append(k.items, it)
 	if k.phase == Idle {
 		s.moveTo(k, Ready)
 	}
@@ -158,7 +161,7 @@ func (s *Set[T]) Take() (k *Key[T], it T, replayStart bool) {
 func (s *Set[T]) take(k *Key[T]) (it T, replayStart bool) {
 	s.uncount(k)
 	s.moveTo(k, Running)
-	it = k.items.pop()
+	it = k.pop()
 	if b := k.backoff; b != nil && b.replayLeft > 0 {
 		replayStart = b.taken == 0
 		b.replayLeft, b.taken = b.replayLeft-1, b.taken+1
@@ -171,7 +174,7 @@ func (s *Set[T]) take(k *Key[T]) (it T, replayStart bool) {
 // pushed and it is not in backoff: nothing of the key comes before it, so
 // the caller may handle it at once on its own goroutine.
 func (s *Set[T]) TakeAlone(k *Key[T]) (it T, ok bool) {
-	if k.phase != Ready || k.Len() != 1 || k.backoff != nil {
+	if k.phase != Ready || len(k.items) != 1 || k.backoff != nil {
 		return it, false
 	}
 	it, _ = s.take(k)
@@ -193,7 +196,7 @@ func (s *Set[T]) Done(k *Key[T]) {
 	switch {
 	case k.backoff != nil && k.backoff.replayLeft == 0:
 		s.moveTo(k, Waiting)
-	case k.Len() > 0:
+	case len(k.items) > 0:
 		s.moveTo(k, Ready)
 	default:
 		s.moveTo(k, Idle)
@@ -206,7 +209,7 @@ func (s *Set[T]) Done(k *Key[T]) {
 // PushBackoff gave during the call or replay.
 func (s *Set[T]) Failed(k *Key[T], it T, now time.Time) {
 	s.uncount(k)
-	k.items.pushFront(it)
+	k.items = slices.Insert(k.items, 0, it) // failures are rare: a copy is fine
 	delay := s.delays.Initial
 	if k.inReplayCall() && k.backoff.taken == 1 { // the replay's first call: the key still fails, so it waits longer
 		delay = doubled(k.backoff.delay, s.delays.Max)
@@ -219,7 +222,7 @@ func (s *Set[T]) Failed(k *Key[T], it T, now time.Time) {
 // Replay makes Waiting k Ready, every event it holds now its replay.
 func (s *Set[T]) Replay(k *Key[T]) {
 	s.uncount(k)
-	k.backoff.replayLeft, k.backoff.taken = k.Len(), 0
+	k.backoff.replayLeft, k.backoff.taken = len(k.items), 0
 	s.moveTo(k, Ready)
 	s.count(k)
 }
@@ -233,7 +236,7 @@ func (s *Set[T]) Forget(name string) []T {
 		return nil
 	}
 	s.uncount(k)
-	items := k.items.all()
+	items := k.items
 	switch {
 	case k.phase != Running:
 		s.moveTo(k, Idle) // first: the heap orders keys by their backoff's due time
@@ -243,7 +246,7 @@ func (s *Set[T]) Forget(name string) []T {
 	default:
 		k.backoff = nil
 	}
-	k.items = fifo[T]{}
+	k.items = nil
 	s.count(k)
 	return items
 }
@@ -263,18 +266,32 @@ func (s *Set[T]) moveTo(k *Key[T], p Phase) {
 	case Waiting:
 		s.waiting.add(k)
 	case Idle:
-		k.items = fifo[T]{} // a burst's array is not kept
+		k.items = nil // a burst's array is not kept
 		delete(s.keys, k.name)
 	}
+}
+
+// pop removes the head event. An emptied array is reused from its start;
+// otherwise append's next growth leaves the part popped behind.
+func (k *Key[T]) pop() T {
+	var zero T
+	it := k.items[0]
+	k.items[0] = zero // the event is the caller's now, not the array's
+	if len(k.items) == 1 {
+		k.items = k.items[:0]
+	} else {
+		k.items = k.items[1:]
+	}
+	return it
 }
 
 func (s *Set[T]) count(k *Key[T])   { s.gauge(k, 1) }
 func (s *Set[T]) uncount(k *Key[T]) { s.gauge(k, -1) }
 
 func (s *Set[T]) gauge(k *Key[T], sign int) {
-	s.events += sign * k.Len()
+	s.events += sign * len(k.items)
 	if k.backoff != nil {
 		s.backoffKeys += sign
-		s.backoffEvents += sign * k.Len()
+		s.backoffEvents += sign * len(k.items)
 	}
 }
