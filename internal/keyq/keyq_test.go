@@ -529,3 +529,38 @@ func FuzzSet(f *testing.F) {
 	f.Add([]byte{0, 1, 3, 1, 2, 1, 0, 1, 5, 1, 7, 1, 3, 1, 8, 1, 5, 1, 3, 1, 6, 1})
 	f.Fuzz(func(t *testing.T, ops []byte) { runModel(t, ops[:min(len(ops), 1024)]) })
 }
+
+// A key that is never idle reuses its array while its worker keeps up (a
+// pop that empties the queue rewinds it), and drops a burst's array once
+// the burst is handled (pops move the slice's start, so append's next
+// growth leaves the array behind).
+func TestABusyKeysArrayIsReusedButABurstsIsNotKept(t *testing.T) {
+	s := New[int](testDelays)
+	s.Push("a", 0)
+	k, _, _ := s.Take()
+	if allocs := testing.AllocsPerRun(100, func() {
+		s.Push("a", 1) // arrives while its predecessor's call runs
+		s.Done(k)
+		s.Take()
+	}); allocs != 0 {
+		t.Errorf("%v allocations an event, with one at a time queued; want 0", allocs)
+	}
+
+	const burst = 100000
+	for i := range burst {
+		s.Push("a", i)
+	}
+	for k.Len() > 2 {
+		s.Done(k)
+		s.Take()
+	}
+	for i := range burst {
+		s.Done(k)
+		s.Take()
+		s.Push("a", i)
+	}
+	checkSet(t, s)
+	if c := cap(k.items); c > 64 {
+		t.Errorf("after a burst of %d, %d events queued hold an array of %d", burst, k.Len(), c)
+	}
+}
