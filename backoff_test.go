@@ -180,7 +180,7 @@ func TestForgetReturnsTheBackoffQueue(t *testing.T) {
 }
 
 // Forget during a replay's first call takes what was queued, but the key
-// stays in backoff until the call ends (review 42): the replay goes on, its
+// stays in backoff until the call ends: the replay goes on, its
 // call the last, and a failure doubles the delay as without Forget. A
 // Shutdown whose ctx has ended abandons the call, which ends the replay.
 func TestForgetDuringAReplaysCallLeavesItTheReplays(t *testing.T) {
@@ -308,7 +308,7 @@ func TestFailureAfterABackoffDuringItsCallWaits(t *testing.T) {
 
 // NextRetry counts a key given Backoff while its call runs once the call
 // ended, as its doc says: WaitIdle first, then it agrees with Pending
-// (review 21: it disagreed while the call ran, undocumented).
+// (they once disagreed while the call ran, undocumented).
 func TestNextRetryCountsABackoffDuringACallOnceTheCallEnds(t *testing.T) {
 	r := newRecorder()
 	h := newHarness(t, r, WithBackoff(time.Second, time.Minute))

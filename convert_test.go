@@ -104,8 +104,7 @@ func TestConverterDecodesProtobufAndJSON(t *testing.T) {
 
 // Every Drop.Reason wraps a sentinel, so errors.Is (and the prometheus
 // collector's label) finds why: a converter's own error, wrapping none, is
-// dropped wrapped in ErrDecode and kept (review 18: it was dropped as it
-// was).
+// dropped wrapped in ErrDecode and kept (it was once dropped bare).
 func TestConverterErrorDropWrapsASentinel(t *testing.T) {
 	boom := errors.New("converter: no such field")
 	conv := ConverterFunc(func(typeurl.Any) (string, any, error) { return "", nil, boom })

@@ -320,8 +320,8 @@ func TestStreamAndExitsAcrossStopAccountForEveryEvent(t *testing.T) {
 }
 
 // WaitIdle waits for an exit a watcher has received until it is queued
-// or dropped: here its builder blocks (review 21: it returned idle with
-// the exit neither handled, queued nor dropped).
+// or dropped: here its builder blocks (it once returned idle with the
+// exit neither handled, queued nor dropped).
 func TestWaitIdleWaitsForAnExitAWatcherReceived(t *testing.T) {
 	r := newRecorder()
 	h := newHarness(t, r)
@@ -425,7 +425,7 @@ type panickyStatus struct{}
 func (panickyStatus) Result() (uint32, time.Time, error) { panic("status") }
 
 // WatchExit's channel, for an inline exit that fails as Stop cancels it,
-// closes only once its drop (ErrStopped) was handed over (review 38).
+// closes only once its drop (ErrStopped) was handed over.
 func TestAnInlineExitFailingAtStopIsDroppedBeforeItsChannelCloses(t *testing.T) {
 	entered := make(chan struct{})
 	h := newHarness(t, HandlerFunc(func(ctx context.Context, _ any) error {
@@ -448,7 +448,7 @@ func TestAnInlineExitFailingAtStopIsDroppedBeforeItsChannelCloses(t *testing.T) 
 
 // A watcher held up between registering its inline call and making it:
 // Stop, once the deadline and grace pass, withdraws the call, so the
-// handler never runs and the exit is dropped once (review 38). White-box:
+// handler never runs and the exit is dropped once. White-box:
 // the test plays the watcher, calling queueExit and then handle itself.
 func TestStopWithdrawsAnInlineExitNotYetBegun(t *testing.T) {
 	var calls atomic.Int32
@@ -473,8 +473,7 @@ func TestStopWithdrawsAnInlineExitNotYetBegun(t *testing.T) {
 
 // Order across sources is the order accepted: an envelope of k the stream
 // reader converted before k's exit arrived, but holds at WithIntakeLimit,
-// is handled after the exit, which runs inline at once (WatchExit's doc;
-// review 38).
+// is handled after the exit, which runs inline at once (WatchExit's doc).
 func TestAnExitOvertakesAnEnvelopeHeldAtTheIntakeLimit(t *testing.T) {
 	r := newRecorder()
 	gate := make(chan struct{})

@@ -101,7 +101,7 @@ func (md *modelHandler) HandleEvent(ctx context.Context, e any) error {
 // beside a running or overrunning call of their key. It checks order, one
 // call per key, deadlines, retries due without WaitIdle, and at every
 // quiet point WaitIdle, NextRetry, Pending, InBackoff, Stats and the fake
-// clock's waiters against a model (review 25).
+// clock's waiters against a model.
 func TestRandomOperationsAgainstAModel(t *testing.T) {
 	for seed := uint64(0); seed < 72; seed++ {
 		t.Run(fmt.Sprint(seed), func(t *testing.T) { runAgainstModel(t, seed) })

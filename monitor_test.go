@@ -40,7 +40,7 @@ func TestNewRejectsInvalidOptions(t *testing.T) {
 		"zero intake":         WithIntakeLimit(0),
 		"resubscribe inverse": WithResubscribe(time.Minute, time.Second),
 		"nil clock":           WithClock(nil),
-		"typed nil clock":     WithClock((*testclock.FakeClock)(nil)), // review 23: it panicked under mu at the first Submit
+		"typed nil clock":     WithClock((*testclock.FakeClock)(nil)), // it once panicked under mu at the first Submit
 		"typed nil metrics":   WithMetrics((*recordedMetrics)(nil)),
 		"nil logger":          WithLogger(nil),
 	} {
@@ -310,7 +310,7 @@ func TestMaxAttemptsGivesUpAndGoesOn(t *testing.T) {
 // A key whose event is given up on goes on only once the drop handler has
 // had the drop: its next event is not handled before, while other keys
 // are. So it is with Metrics (the report path), and when the drop handler
-// ends the worker's goroutine (review 47). White-box: the key's queue.
+// ends the worker's goroutine. White-box: the key's queue.
 func TestAKeyWaitsForItsDropToBeHandedOver(t *testing.T) {
 	for _, tc := range []struct {
 		name            string

@@ -617,7 +617,7 @@ func (c *backClock) NewTimer(d time.Duration) clock.Timer {
 
 // The clock set back while the timer is set: the timer counts from the
 // earlier time and fires before what it times; the pass finds nothing due
-// and must set it again (review 39).
+// and must set it again.
 func TestATimerSetAsTheClockWentBackIsSetAgain(t *testing.T) {
 	fc := testclock.NewFakeClock(epoch)
 	clk := &backClock{passClock: passClock{FakeClock: fc}}
@@ -656,10 +656,10 @@ func fireBackThenStepInPass(t *testing.T, h *harness, clk *driftClock, at time.T
 
 // A timer that fired is off the clock even if the clock went back before
 // the pass: the pass sets it again, so that the retry or deadline it timed
-// still comes when the clock reaches its time, with no WaitIdle (review
-// 39: the timer was lost, its time still noted as set). And it is set
-// again if the clock moves while it is (review 41: one Reset left it late
-// by the step).
+// still comes when the clock reaches its time, with no WaitIdle (the
+// timer was once lost, its time still noted as set). And it is set again
+// if the clock moves while it is (one Reset once left it late by the
+// step).
 func TestATimerFiredAsTheClockWentBackIsSetAgain(t *testing.T) {
 	for _, step := range []time.Duration{0, time.Second / 2} {
 		t.Run(fmt.Sprintf("retry, step %v", step), func(t *testing.T) {
@@ -696,7 +696,7 @@ func TestATimerFiredAsTheClockWentBackIsSetAgain(t *testing.T) {
 }
 
 // The same for a stale fire, whose pass moves the pending timer: a step
-// while it does so must not leave it late (review 41).
+// while it does so must not leave it late.
 func TestAStaleFireAcrossAStepLeavesTheTimerOnTime(t *testing.T) {
 	clk := &driftClock{FakeClock: testclock.NewFakeClock(epoch), step: time.Second / 2}
 	var zs atomic.Int32
@@ -716,9 +716,9 @@ func TestAStaleFireAcrossAStepLeavesTheTimerOnTime(t *testing.T) {
 }
 
 // WaitIdle says idle only with the timer on the clock: a fire the
-// scheduler has yet to see, the clock set back since, had left it off
-// (review 41). The scheduler is held outside mu by its overrun log line,
-// so the fire waits in the channel.
+// scheduler has yet to see, the clock set back since, once left it off.
+// The scheduler is held outside mu by its overrun log line, so the fire
+// waits in the channel.
 func TestWaitIdlePutsBackATimerFiredBeforeTheClockWentBack(t *testing.T) {
 	fc := testclock.NewFakeClock(epoch)
 	logger := logrus.New()
@@ -770,8 +770,8 @@ func TestAnOverrunningCallHoldsNoTimer(t *testing.T) {
 // Promise (WaitIdle's doc): "A held monitor (WithDeferredStart) ... times no
 // retry". A Backoff on a held monitor arms no timer: the scheduler would
 // wake for a replay that reconcile may not make, and set the timer again,
-// at once, for as long as the hold lasts. Review 50: deleting wakeAt's
-// "m.state == running" passed the suite.
+// at once, for as long as the hold lasts. This pins wakeAt's
+// "m.state == running".
 func TestAHeldMonitorTimesNoRetry(t *testing.T) {
 	h := newHarness(t, newRecorder(), WithDeferredStart())
 	h.m.Backoff("a", ev{"a", 1})

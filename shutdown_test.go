@@ -560,7 +560,7 @@ func awaitErr(t *testing.T, ch <-chan error) error {
 
 // Shutdown whose ctx has already ended stops at once: it starts no drain.
 // The one event waits in backoff, not due; it is dropped with ErrStopped,
-// never replayed nor handed to the handler (review 18: the drain began,
+// never replayed nor handed to the handler (once, the drain began,
 // replayed it at once, and the stop then abandoned the call, so the drop
 // blamed a running handler, and the handler sometimes ran after).
 func TestShutdownWithAnEndedCtxStartsNoCall(t *testing.T) {
@@ -600,8 +600,8 @@ func dropReason(h *harness, e any) (error, bool) {
 }
 
 // Shutdown with a ctx already ended, on a monitor with nothing to drain,
-// lost nothing: it returns nil (review 19: ctx's error, once an ended ctx
-// no longer started a drain).
+// lost nothing: it returns nil (it once returned ctx's error, after an
+// ended ctx no longer started a drain).
 func TestShutdownWithAnEndedCtxOnAnEmptyMonitorReturnsNil(t *testing.T) {
 	h := newHarness(t, newRecorder())
 	h.submit(t, ev{"a", 1})
@@ -614,8 +614,8 @@ func TestShutdownWithAnEndedCtxOnAnEmptyMonitorReturnsNil(t *testing.T) {
 
 // A call Stop withdraws before its handler began is never made, and its
 // drop says so: here a replay's call waits in its retry log line (user
-// code, before the call is made) when Shutdown's ctx has ended (review 19:
-// the drop said the handler was "still running").
+// code, before the call is made) when Shutdown's ctx has ended (the drop
+// once said the handler was "still running").
 func TestAWithdrawnCallsDropDoesNotBlameARunningHandler(t *testing.T) {
 	r := newRecorder()
 	h := newHarness(t, r, WithBackoff(time.Second, time.Minute))
@@ -642,8 +642,8 @@ func TestAWithdrawnCallsDropDoesNotBlameARunningHandler(t *testing.T) {
 // A Stop begun while Shutdown waits for the reader drops what Shutdown was
 // to drain: work queued (b/1, behind a/1 on the one worker), or only the
 // envelope the reader holds. Shutdown reports that Stop, wrapping
-// ErrStopped (reviews 18 and 19: it returned nil, deciding whether a Stop
-// had begun only after its wait, and then not counting the envelope).
+// ErrStopped (it once returned nil, deciding whether a Stop had begun
+// only after its wait, and then not counting the envelope).
 func TestShutdownReportsAStopBegunWhileItWaitedForTheReader(t *testing.T) {
 	for _, queued := range []bool{true, false} {
 		t.Run(fmt.Sprint("queued=", queued), func(t *testing.T) {
@@ -676,8 +676,8 @@ func TestShutdownReportsAStopBegunWhileItWaitedForTheReader(t *testing.T) {
 }
 
 // A Shutdown after a Stop (or a Shutdown) has ended loses nothing, and
-// returns nil even with a ctx already ended (review 20: ctx's error, the
-// ended ctx alone deciding).
+// returns nil even with a ctx already ended (it once returned ctx's
+// error, the ended ctx alone deciding).
 func TestShutdownWithAnEndedCtxAfterAStopReturnsNil(t *testing.T) {
 	for _, first := range []string{"Stop", "Shutdown"} {
 		t.Run("after"+first, func(t *testing.T) { shutdownWithAnEndedCtxAfter(t, first) })
@@ -703,7 +703,7 @@ func shutdownWithAnEndedCtxAfter(t *testing.T, first string) {
 
 // Shutdown's error names all its drain lost: with WithMaxOverruns(0) and
 // one worker, a stuck a/1 keeps its worker from b/1, and the drain both
-// abandons a/1 and drops b/1 (review 20: the error named only a/1).
+// abandons a/1 and drops b/1 (the error once named only a/1).
 func TestShutdownErrorNamesTheEventsStuckCallsKeptFromTheWorkers(t *testing.T) {
 	release := make(chan struct{})
 	defer close(release)
@@ -732,10 +732,9 @@ func TestShutdownErrorNamesTheEventsStuckCallsKeptFromTheWorkers(t *testing.T) {
 
 // Shutdown's result, case by case, from what its drain left and what its
 // stop abandoned (drainOutcome.err). ctx's error only where ctx's end cost
-// something: review 22's case (a Stop that found the drain done, ctx ended
-// meanwhile) and review 23's (a call that returned but was still being
-// reported as ctx ended; ctx ending only after the drain) are nil or
-// ErrStopped.
+// something: a Stop that found the drain done, ctx ended meanwhile, and a
+// call that returned but was still being reported as ctx ended (ctx
+// ending only after the drain), are nil or ErrStopped.
 func TestShutdownResultFollowsWhatItsDrainLost(t *testing.T) {
 	live := context.Background()
 	ended, cancel := context.WithCancel(live)
@@ -747,8 +746,8 @@ func TestShutdownResultFollowsWhatItsDrainLost(t *testing.T) {
 		want error // nil, context.Canceled or ErrStopped
 	}{
 		{"drained", drainOutcome{}, live, nil},
-		{"drained; or a Stop found it done; ctx ended after (review 22)", drainOutcome{}, ended, nil},
-		{"drained but for a call being reported as ctx ended (review 23)", drainOutcome{ended: true}, ended, nil},
+		{"drained; or a Stop found it done; ctx ended after", drainOutcome{}, ended, nil},
+		{"drained but for a call being reported as ctx ended", drainOutcome{ended: true}, ended, nil},
 		{"calls abandoned as ctx ended", drainOutcome{ended: true, byCtx: 1, gaveUp: 1}, ended, context.Canceled},
 		{"events left as ctx ended", drainOutcome{atStop: atStop{left: 2}, ended: true}, ended, context.Canceled},
 		{"reader still reading as ctx ended", drainOutcome{atStop: atStop{reading: true}, ended: true}, ended, context.Canceled},
@@ -757,7 +756,7 @@ func TestShutdownResultFollowsWhatItsDrainLost(t *testing.T) {
 		{"cut by a Stop with a handler running", drainOutcome{atStop: atStop{cut: true, running: 1}}, live, ErrStopped},
 		{"handlers running as ctx ended", drainOutcome{atStop: atStop{running: 1}, ended: true}, ended, context.Canceled},
 		{"stuck calls abandoned and their key's events dropped", drainOutcome{atStop: atStop{left: 1}, gaveUp: 1}, live, ErrStopped},
-		{"stuck call abandoned, ctx ended after the drain (review 23)", drainOutcome{gaveUp: 1}, ended, ErrStopped},
+		{"stuck call abandoned, ctx ended after the drain", drainOutcome{gaveUp: 1}, ended, ErrStopped},
 		{"a Stop had begun before", drainOutcome{atStop: atStop{left: 3}, stoppedFirst: true, gaveUp: 1}, live, nil},
 		{"a Stop had begun before and had ended, ctx ended", drainOutcome{stoppedFirst: true}, ended, nil},
 		{"a Stop had begun before, calls abandoned as ctx ended", drainOutcome{stoppedFirst: true, byCtx: 1, gaveUp: 1}, ended, context.Canceled},
@@ -775,8 +774,8 @@ func TestShutdownResultFollowsWhatItsDrainLost(t *testing.T) {
 }
 
 // Two Shutdowns wait for one drain, which a stuck call ends; no Stop is
-// called. Both report the abandoned call, and neither a cut (review 23:
-// the second read the first's own stop as a Stop that cut its drain short).
+// called. Both report the abandoned call, and neither a cut (the second
+// once read the first's own stop as a Stop that cut its drain short).
 func TestConcurrentShutdownsReportTheSameLoss(t *testing.T) {
 	h, _ := stuckOnA(t)
 	errs := make(chan error, 2)
@@ -813,7 +812,7 @@ func (b *blockingMetrics) Dropped(error, int)      {}
 
 // Shutdown's ctx ends while its one call, whose handler returned nil, is
 // still being reported (Metrics; a log hook does the same). Nothing was
-// lost, so Shutdown returns nil (review 23: ctx's error, as it counted
+// lost, so Shutdown returns nil (it once returned ctx's error, counting
 // calls being settled as in progress).
 func TestShutdownWhoseCtxEndsAsACallIsReportedLosesNothing(t *testing.T) {
 	bm := &blockingMetrics{entered: make(chan struct{}), release: make(chan struct{})}
@@ -839,8 +838,8 @@ func TestShutdownWhoseCtxEndsAsACallIsReportedLosesNothing(t *testing.T) {
 // The drain ends on a stuck call with ctx live; the stop abandons it as
 // overrun, and ctx ends only after that, as the drop handler gets the
 // abandoned event. Shutdown reports the abandoned call with ErrStopped
-// (review 23: ctx's error, read as Shutdown returned rather than as the
-// drain ended).
+// (it once returned ctx's error, read as Shutdown returned rather than as
+// the drain ended).
 func TestShutdownWhoseCtxEndsAfterTheDrainReportsWhatTheDrainLost(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -856,9 +855,9 @@ func TestShutdownWhoseCtxEndsAfterTheDrainReportsWhatTheDrainLost(t *testing.T) 
 
 // A Stop cuts the drain while Shutdown waits for the stream reader; ctx
 // ends only afterwards, costing nothing. Shutdown reports the cut
-// (ErrStopped), as when ctx never ends (review 24: ctx's error, as it read
-// its ctx when it woke, not as the stop began, and waited for the reader
-// after the Stop).
+// (ErrStopped), as when ctx never ends (it once returned ctx's error,
+// reading its ctx when it woke, not as the stop began, and waited for the
+// reader after the Stop).
 func TestShutdownCutByAStopReportsTheCutWhenCtxEndsAfter(t *testing.T) {
 	for _, ctxEnds := range []bool{false, true} {
 		t.Run(map[bool]string{false: "ctxLive", true: "ctxEndsAfterTheStop"}[ctxEnds], func(t *testing.T) {
@@ -888,9 +887,9 @@ func TestShutdownCutByAStopReportsTheCutWhenCtxEndsAfter(t *testing.T) {
 
 // Two Shutdowns wait for one drain, which a/1 ends by overrunning. The
 // first to wake stops with its ctx live; only then does the second's ctx
-// end, costing nothing. Both report the abandoned call (review 24: the
-// second returned ctx's error in about 3 rounds in 10, whenever it had not
-// woken before its ctx ended).
+// end, costing nothing. Both report the abandoned call (the second once
+// returned ctx's error in about 3 rounds in 10, whenever it had not woken
+// before its ctx ended).
 func TestSecondShutdownWhoseCtxEndsAfterAnotherStoppedReportsWhatTheDrainLost(t *testing.T) {
 	canceled := 0
 	const rounds = 20
@@ -923,7 +922,7 @@ func TestSecondShutdownWhoseCtxEndsAfterAnotherStoppedReportsWhatTheDrainLost(t 
 // Shutdown's drain unable to move, but before the Shutdown has it again,
 // cuts nothing short: Shutdown reports what the drain lost, as when it
 // stops first, not a cut nor ctx's error; the stuck call is abandoned as
-// it overran either way (the last stop's suspicion, and review 37). The
+// it overran either way. The
 // test holds mu across the pass and the stop's first step or ctx's end,
 // the interleavings the race allows.
 func TestAStopOrCtxEndAfterTheDrainIsDoneCutsNothing(t *testing.T) {
@@ -973,7 +972,7 @@ func TestAStopOrCtxEndAfterTheDrainIsDoneCutsNothing(t *testing.T) {
 // A Stop while a returned call is being reported, beside a stuck call,
 // cuts nothing short: it waits for the report, and nothing else is
 // queued. The stuck call does not count as work the drain had left, as it
-// does not hold up the drain either (review 37).
+// does not hold up the drain either.
 func TestAStopDuringAReportBesideAStuckCallCutsNothing(t *testing.T) {
 	for _, withStop := range []bool{false, true} {
 		t.Run(fmt.Sprint("Stop:", withStop), func(t *testing.T) {

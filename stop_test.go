@@ -473,7 +473,7 @@ func TestCallersContextIsNotReadUnderTheLock(t *testing.T) {
 
 // A WaitIdle waiting on an overrunning call returns ErrStopped when Stop
 // abandons it with an event queued behind it, though by the time it wakes
-// the stop may have emptied the monitor (review 43); a WaitIdle called
+// the stop may have emptied the monitor; a WaitIdle called
 // after the stop finds it idle.
 func TestWaitIdleAcrossAStopThatAbandonsWork(t *testing.T) {
 	r := newRecorder()
@@ -492,8 +492,8 @@ func TestWaitIdleAcrossAStopThatAbandonsWork(t *testing.T) {
 }
 
 // A replay due at the clock's now is work WaitIdle waits for: one asleep on
-// it returns ErrStopped when a stop drops it before the scheduler's pass
-// (review 44). A hook holds the scheduler in its overrun line meanwhile.
+// it returns ErrStopped when a stop drops it before the scheduler's pass.
+// A hook holds the scheduler in its overrun line meanwhile.
 func TestWaitIdleAcrossAStopThatDropsADueReplay(t *testing.T) {
 	r := newRecorder()
 	h := newHarness(t, r, WithHandleTimeout(time.Second), WithBackoff(10*time.Second, time.Minute), WithWorkers(2))
@@ -592,7 +592,6 @@ func TestAnAbandonedCallsKeyGetsNoSecondCall(t *testing.T) {
 // WaitIdle returns ErrStopped at once while the monitor is stopping with
 // work left, as its doc says: called while Stop waits for a handler that
 // ignores its ctx (no handle timeout), it does not wait for that handler.
-// (Review 50: no test failed without WaitIdle's case for it.)
 func TestWaitIdleWhileAStopWaitsReturnsErrStopped(t *testing.T) {
 	r := newRecorder()
 	started, release := r.gate(ev{"a", 1})

@@ -134,8 +134,7 @@ func TestStreamIntakeFiltersConvertsAndDrops(t *testing.T) {
 }
 
 // A converter's error makes no event, even with a value beside it: the
-// Drop says none was made (review 42), also when the error's Is panics in
-// errors.Is (review 43).
+// Drop says none was made, also when the error's Is panics in errors.Is.
 func TestAConvertersErrorMakesNoEvent(t *testing.T) {
 	for _, c := range []struct {
 		err  error
@@ -218,7 +217,7 @@ func TestIntakeBackpressure(t *testing.T) {
 
 // Events of keys in backoff do not count against WithIntakeLimit: they wait
 // for their due time, not for a worker, and counting them would let one
-// failing key stop the stream for every other (review 23 asked).
+// failing key stop the stream for every other.
 // WithMaxQueuedPerKey bounds them instead.
 func TestIntakeLimitLeavesKeysInBackoffOut(t *testing.T) {
 	handled := make(chan string, 1)
@@ -295,7 +294,7 @@ func TestRunResubscribesWithBackoff(t *testing.T) {
 
 // A Run called again after one returned (its ctx ended while the stream
 // was broken, or not) resyncs once its subscription is established: what
-// was published in between went unread (review 45). The first Run does not.
+// was published in between went unread. The first Run does not.
 func TestARunAfterARunResyncs(t *testing.T) {
 	clk := newSignallingClock()
 	resyncs := make(chan struct{}, 4)
@@ -654,7 +653,7 @@ func TestIgnoredPayloadWhoseTypeURLPanicsIsCounted(t *testing.T) {
 
 // A bare Start (no Subscribe) while Shutdown waits for the reader is
 // refused with ErrStopped at once, as Run and a Start with a subscription
-// are (review 18: it returned the lifetime channel, silent until Stop).
+// are (it once returned the lifetime channel, silent until Stop).
 func TestBareStartIsRefusedWhileShutdownWaitsForTheReader(t *testing.T) {
 	h, convert := readerInConverter(t) // Start took the subscription: the next Start is bare
 	shut := shutdownBegun(t, h, context.Background())
@@ -968,8 +967,7 @@ func TestARunAfterAStartResyncs(t *testing.T) {
 }
 
 // Promise (Subscribe's doc): "Subscribing again before Start ends the
-// earlier stream." Review 50: deleting Subscribe's previous.cancel()
-// passed the suite.
+// earlier stream."
 func TestSubscribingAgainEndsTheEarlierStream(t *testing.T) {
 	h := newHarness(t, newRecorder(), WithConverter(NewConverter()))
 	var first context.Context
@@ -985,7 +983,7 @@ func TestSubscribingAgainEndsTheEarlierStream(t *testing.T) {
 
 // Bound (maxIgnoredURLs): the type URLs the stream reader remembers, to log
 // an ignored type once, are bounded; past the bound an ignored type is
-// counted, not logged. Review 50: deleting the bound passed the suite.
+// counted, not logged.
 func TestIgnoredTypeURLsAreRememberedUpToABound(t *testing.T) {
 	conv := ConverterFunc(func(typeurl.Any) (string, any, error) { return "", nil, ErrUnsupportedEvent })
 	h := newHarness(t, newRecorder(), WithConverter(conv))
@@ -998,8 +996,7 @@ func TestIgnoredTypeURLsAreRememberedUpToABound(t *testing.T) {
 
 // Promise (ingest): at WithIntakeLimit the reader waits for room "until ctx
 // ends or intake stops": Run's ctx ending frees it while the monitor, still
-// running, has no room. Review 50: deleting "ctx.Err() == nil" from that
-// wait passed the suite.
+// running, has no room.
 func TestIntakeWaitingForRoomEndsWithItsCtx(t *testing.T) {
 	r := newRecorder()
 	started, release := r.gate(ev{"a", 1})

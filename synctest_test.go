@@ -116,8 +116,7 @@ func TestStreamInASynctestBubble(t *testing.T) {
 
 // An exit already in exitCh as Stop begins is read, and handled or dropped
 // with ErrStopped, whichever of the exit and the stop the watcher's select
-// takes first: never left unread and uncounted. (Review 50: no test failed
-// without the watcher's second look at exitCh.)
+// takes first: never left unread and uncounted.
 func TestAnExitWaitingAsStopBeginsIsAccountedFor(t *testing.T) {
 	for range 50 {
 		synctest.Test(t, func(t *testing.T) {
