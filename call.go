@@ -205,7 +205,7 @@ func (m *Monitor) finish(c *call, ignored bool, err error) (next *call) {
 // drop was reported, goes on, and c's slot, if it holds one, takes on the
 // next call, which it returns. mu is held.
 func (m *Monitor) release(c *call, out outcome) (next *call) {
-	if out.keyHeld() {
+	if out.drops != nil { // settle kept the key Running until its drop was handed over
 		m.keys.Done(c.key)
 	}
 	if c.slot == ownSlot {
@@ -249,6 +249,8 @@ func (m *Monitor) settle(c *call, err error, ignored bool, end time.Time) outcom
 		m.keys.Failed(c.key, c.it, end)
 		return outcome{failed: err, delay: c.key.Delay()}
 	}
+	// Its key stays Running, for release to end once report has handed the
+	// drop over: the drop handler sees it before the key's next event.
 	return outcome{failed: err, drops: m.drop(c.key.Name(), reason, c.it)}
 }
 

@@ -28,13 +28,8 @@ type Metrics interface {
 type outcome struct {
 	failed error         // the handler's error; nil if the event did not fail
 	delay  time.Duration // the backoff the event now waits
-	drops  []Drop        // set when the monitor gave up on the event
+	drops  []Drop        // set when the monitor gave up on the event: its key stays Running until release
 }
-
-// keyHeld reports whether the event was dropped: its key then waits for
-// the drop to be reported, so that the drop handler sees it before the
-// key's next event is handled.
-func (o outcome) keyHeld() bool { return o.drops != nil }
 
 // report gives a settled call's duration to the metrics, logs its overrun
 // or failure and hands its drop over, without the lock. A failing key calls
