@@ -21,7 +21,7 @@ const (
 	inTime    stage = iota // running, its deadline (if any) still ahead
 	late                   // running past its deadline: its ctx ended
 	overran                // running past its deadline and the grace: stuck
-	settling               // returned; its outcome is settled, being reported
+	settling               // returned and settled: its event is counted elsewhere; in calls until release
 	abandoned              // Stop gave up on it; its goroutine leaves unseen
 )
 
@@ -62,7 +62,7 @@ type call struct {
 	progress    atomic.Int32    // how far its goroutine got; set without mu
 
 	// Guarded by Monitor.mu. stage: inTime, then late and overran (expire),
-	// settling (finish) or abandoned (Stop). slot: gaveSlot (replaceStuck).
+	// settling (settle) or abandoned (Stop). slot: gaveSlot (replaceStuck).
 	slot  slotUse
 	stage stage
 }
@@ -189,7 +189,6 @@ func (m *Monitor) finish(c *call, ignored bool, err error) (next *call) {
 	wasOverrun := c.stage == overran
 	out := m.settle(c, err, ignored, end)
 	if wasOverrun || out.failed != nil || m.cfg.metrics != nil { // something to report
-		c.stage = settling // WaitIdle and Stop wait for the report
 		m.reconcile()
 		m.mu.Unlock() // the report runs user code: logger, Metrics, drop handler
 		onGoexit(func() { m.report(c, err, end, out, wasOverrun) },
@@ -221,6 +220,7 @@ func (m *Monitor) release(c *call, out outcome) (next *call) {
 // settle records a returned call's outcome: handled, ignored (no route),
 // back at its key's head to wait, or given up on (see release). mu is held.
 func (m *Monitor) settle(c *call, err error, ignored bool, end time.Time) outcome {
+	c.stage = settling // its event is counted below, so Stats no longer counts it in flight
 	switch {
 	case err == nil:
 		m.stats.Handled++
