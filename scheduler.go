@@ -152,7 +152,7 @@ func (m *Monitor) schedule(fired <-chan time.Time) {
 		}
 		m.mu.Lock()
 		now := m.cfg.clock.Now()
-		overruns := m.expire(now)
+		stuck := m.expire(now)
 		// Due: clear the timer for reconcile to set. Fired but not due (the
 		// clock set back since, or a fire from before its last setting): set
 		// it again for its time, in place if it is pending. A poke alone
@@ -163,7 +163,8 @@ func (m *Monitor) schedule(fired <-chan time.Time) {
 		case timerFired && !m.sched.at.IsZero():
 			m.arm(m.sched.at)
 		}
-		m.reconcile()
+		m.reconcile() // gives stuck calls' slots to new workers
+		overruns := m.overruns(stuck, now)
 		done := m.state == stopped && len(m.calls) == 0 // nothing is left to time
 		m.mu.Unlock()
 		m.logOverruns(overruns)
@@ -192,10 +193,8 @@ type overrun struct {
 }
 
 // expire ends the context of calls past their deadline and, after the
-// grace, marks them overran and gives their slots to new workers,
-// returning their log lines. mu is held.
-func (m *Monitor) expire(now time.Time) (lines []overrun) {
-	var stuck []*call
+// grace, marks them overran, returning those newly so. mu is held.
+func (m *Monitor) expire(now time.Time) (stuck []*call) {
 	for _, c := range m.calls {
 		if c.deadline.IsZero() || now.Before(c.deadline) || !c.runningIn(inTime, late) {
 			continue
@@ -209,7 +208,12 @@ func (m *Monitor) expire(now time.Time) (lines []overrun) {
 			stuck = append(stuck, c)
 		}
 	}
-	m.replaceStuck()
+	return stuck
+}
+
+// overruns are the log lines of the calls expire found stuck, once
+// reconcile gave away what slots it may. mu is held.
+func (m *Monitor) overruns(stuck []*call, now time.Time) (lines []overrun) {
 	// At Stop no slot is given away, so no limit was reached. With
 	// WithMaxOverruns(0) a call keeping its worker is the user's choice,
 	// not a limit reached: the warning says enough.
