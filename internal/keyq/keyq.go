@@ -162,7 +162,7 @@ func (s *Set[T]) take(k *Key[T]) (it T, replayStart bool) {
 	s.uncount(k)
 	s.moveTo(k, Running)
 	it = k.pop()
-	if b := k.backoff; b != nil && b.replayLeft > 0 {
+	if b := k.backoff; b != nil { // a Ready key in backoff is replaying
 		replayStart = b.taken == 0
 		b.replayLeft, b.taken = b.replayLeft-1, b.taken+1
 	}
@@ -194,7 +194,7 @@ func (s *Set[T]) Done(k *Key[T]) {
 		}
 	}
 	switch {
-	case k.backoff != nil && k.backoff.replayLeft == 0:
+	case k.backoff != nil && k.backoff.replayLeft == 0: // given PushBackoff during the call, or afterReplay
 		s.moveTo(k, Waiting)
 	case len(k.items) > 0:
 		s.moveTo(k, Ready)
