@@ -40,17 +40,21 @@ package eventmonitor
 //   - Ordered, and Exact backoff's rules: internal/keyq's package doc.
 //   - One path per key: keyq's Running phase, entered by Take (takeReady,
 //     call.go) and TakeAlone (queueExit, exitmonitor.go), both only while
-//     the lifecycle handles; left by Done or Failed as the call settles, or
+//     the lifecycle handles; left by Done or Failed as the call settles
+//     (for a dropped event, in release once the drop is handed over), or
 //     at Stop (abandon, stop.go).
 //   - Parallel and fair: reconcile's loop over free slots (monitor.go),
-//     release passing a slot on (call.go), replaceStuck (scheduler.go);
-//     turns in keyq's Done; the intake pause in ingest (intake.go).
+//     release passing a slot on (call.go), replaceStuck (scheduler.go,
+//     called from reconcile only); turns in keyq's Done; the intake pause
+//     in ingest (intake.go).
 //   - Exact backoff's timing and Clock-driven: reconcile replays what is
 //     due; scheduler.go's one timer wakes it and ends a call's ctx at its
 //     deadline (expire). Time is read only through the configured clock.
 //   - Nothing vanishes: the identity in stats.go. An event enters it in
 //     accept or refuse (or ingest, for an envelope not queued) and leaves
 //     it in settle, drop or Forget; in between it is in keyq or in a call,
-//     from which Stats derives the gauges. Stop hands over what is left in
-//     finishStop (stop.go), after waiting for what is being accepted
-//     (Monitor.accepting) and for the scheduler and watchers.
+//     from which Stats derives the gauges (a call by its stage, which
+//     settle ends). Stop hands over what is left in finishStop (stop.go),
+//     after waiting for what is being accepted (Monitor.accepting) and for
+//     the scheduler and watchers. Its bounded return: stop's loop abandons
+//     each call expire (scheduler.go) marked overran at overrunAt.
