@@ -143,12 +143,12 @@ func (m *Monitor) buildExit(key string, s ExitStatus, received bool, build func(
 // the event build makes. On an idle key it returns a call for the watcher
 // to make at once, through a worker's call path but holding no slot.
 func (m *Monitor) queueExit(key string, s ExitStatus, received bool, build func(uint32, time.Time, error) any) *call {
-	m.inHand()
-	defer m.outOfHand() // deferred: user code may end the goroutine
+	m.beginAccepting()
+	defer m.endAccepting() // deferred: user code may end the goroutine
 	var it item
 	var err error
 	onGoexit(func() { it.event, err = m.buildExit(key, s, received, build) },
-		func() { m.dropInHand(key, item{}, errExitExited) })
+		func() { m.dropUnaccepted(key, item{}, errExitExited) })
 	m.mu.Lock()
 	var k *keyq.Key[item]
 	if err == nil {

@@ -1414,8 +1414,8 @@ func (h *countingGoexitHook) Fire(e *logrus.Entry) error {
 
 // A log hook that ends the worker's goroutine on a replay's retry line: the
 // new worker makes the call without logging the retry again (were the hook
-// to end every such line, a worker would follow a worker for ever). Review
-// 50: deleting "c.replayStart = false" in handle passed the suite.
+// to end every such line, a worker would follow a worker for ever). This
+// pins "c.replayStart = false" in handle.
 func TestAGoexitInTheRetryLineIsNotLoggedAgain(t *testing.T) {
 	r := newRecorder()
 	r.fail(ev{"a", 1}, 1)

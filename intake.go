@@ -53,8 +53,8 @@ var (
 // envelope of another namespace counts as Filtered; one of a type nobody
 // keys as Ignored, its type logged once.
 func (m *Monitor) ingest(ctx context.Context, env *Envelope) {
-	m.inHand()
-	defer m.outOfHand()
+	m.beginAccepting()
+	defer m.endAccepting()
 	var it item
 	if env != nil {
 		it.origin = &origin{env.Topic, env.Namespace}
@@ -67,7 +67,7 @@ func (m *Monitor) ingest(ctx context.Context, env *Envelope) {
 		if ignored { // the payload's code: not under mu, nor unguarded
 			m.logOnPanic("the payload's GetTypeUrl", "", func() { url = env.Event.GetTypeUrl() })
 		}
-	}, func() { m.dropInHand("", it, errConverterExited) }) // it.event is nil: convert did not return, or ignored it
+	}, func() { m.dropUnaccepted("", it, errConverterExited) }) // it.event is nil: convert did not return, or ignored it
 	m.mu.Lock()
 	var drops []Drop
 	firstIgnored := false
@@ -92,7 +92,7 @@ func (m *Monitor) ingest(ctx context.Context, env *Envelope) {
 	default:
 		drops = m.refuse(key, it, err)
 	}
-	m.mu.Unlock() // outOfHand, deferred, reconciles
+	m.mu.Unlock() // endAccepting, deferred, reconciles
 	if firstIgnored {
 		m.cfg.logger.WithFields(log.Fields{"topic": env.Topic, "namespace": env.Namespace, "type": url}).
 			WithError(err).Debug("ignoring events of a type the converter has no key for; logged once per type")
@@ -100,26 +100,26 @@ func (m *Monitor) ingest(ctx context.Context, env *Envelope) {
 	m.emit(drops...) // the drop handler logs it, by default
 }
 
-// inHand counts an envelope or exit received and not yet queued or
-// dropped, which WaitIdle and Stop wait for; outOfHand ends the count once
-// its drop, if any, was handed over.
-func (m *Monitor) inHand() {
+// beginAccepting counts an envelope or exit received and not yet queued or
+// dropped (Monitor.accepting), which WaitIdle and Stop wait for;
+// endAccepting ends the count once its drop, if any, was handed over.
+func (m *Monitor) beginAccepting() {
 	m.mu.Lock()
 	m.accepting++
 	m.mu.Unlock()
 }
 
-func (m *Monitor) outOfHand() {
+func (m *Monitor) endAccepting() {
 	m.mu.Lock()
 	m.accepting--
 	m.reconcile()
 	m.mu.Unlock()
 }
 
-// dropInHand drops what a goroutine had in hand (an envelope, an exit) when
-// user code ended it (runtime.Goexit) before it was queued: it is still
-// accounted for.
-func (m *Monitor) dropInHand(key string, it item, reason error) {
+// dropUnaccepted drops what a goroutine was accepting (an envelope, an
+// exit) when user code ended it (runtime.Goexit) before it was queued: it
+// is still accounted for.
+func (m *Monitor) dropUnaccepted(key string, it item, reason error) {
 	m.mu.Lock()
 	drops := m.refuse(key, it, reason)
 	m.mu.Unlock()

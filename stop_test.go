@@ -540,8 +540,8 @@ func sleepingWaitIdle(t *testing.T, h *harness) <-chan error {
 	return idle
 }
 
-// Stop's abandon ends a stuck call's key while its handler runs on (review
-// 43): nothing may call the key again, not an exit, a Submit, a Backoff, a
+// Stop's abandon ends a stuck call's key while its handler runs on:
+// nothing may call the key again, not an exit, a Submit, a Backoff, a
 // Forget, nor a second Shutdown or Stop during the stop.
 func TestAnAbandonedCallsKeyGetsNoSecondCall(t *testing.T) {
 	var x exclusive
