@@ -11,8 +11,10 @@ import (
 // The scheduler wakes when a backoff queue is due (reconcile replays it)
 // and ends the ctx of calls at their deadline. Whoever changes what is due
 // sets its one timer, under mu, for the earliest of the two (retime, from
-// reconcile); one goroutine, started with the first thing to time and
-// ended by Stop, waits on it. An idle monitor holds no timer.
+// reconcile); only a fake clock's quirks make the pass and WaitIdle set it
+// again for the same time (see arm). One goroutine, started with the first
+// thing to time and ended by Stop, waits on it. An idle monitor holds no
+// timer.
 
 // schedulerState is guarded by Monitor.mu.
 type schedulerState struct {

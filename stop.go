@@ -30,7 +30,8 @@ import (
 func (m *Monitor) Stop() { m.stop(context.Background()) }
 
 // stop is Stop, also abandoning every call still running once ctx, from
-// waitingOn, ends; it returns how many calls it abandoned for that.
+// waitingOn, ends; it returns how many calls it abandoned for that. After
+// Shutdown's own beginStop, its beginStop only ends intake again.
 func (m *Monitor) stop(ctx context.Context) (byCtx int) {
 	m.mu.Lock()
 	m.beginStop(m.cutsDrain())
@@ -74,10 +75,9 @@ func (m *Monitor) beginStop(cut bool) {
 // why, their keys' calls end, and their goroutines leave unseen. It
 // returns how many. mu is held.
 func (m *Monitor) abandon(why string, stages ...stage) (gaveUp int) {
-	before := len(m.calls)
-	m.calls = slices.DeleteFunc(m.calls, func(c *call) bool {
+	for _, c := range m.calls {
 		if !c.runningIn(stages...) {
-			return false
+			continue
 		}
 		reason := fmt.Errorf("%w: handler %s, abandoned", ErrStopped, why)
 		if c.progress.CompareAndSwap(notBegun, withdrawn) {
@@ -86,9 +86,10 @@ func (m *Monitor) abandon(why string, stages ...stage) (gaveUp int) {
 		c.stage = abandoned
 		m.abandonedDrops = append(m.abandonedDrops, m.drop(c.key.Name(), reason, c.it)...)
 		m.keys.Done(c.key) // no other call starts: the monitor is stopped
-		return true
-	})
-	if gaveUp = before - len(m.calls); gaveUp > 0 {
+		gaveUp++
+	}
+	if gaveUp > 0 {
+		m.calls = slices.DeleteFunc(m.calls, func(c *call) bool { return c.stage == abandoned })
 		m.reconcile() // not otherwise: two Stops waiting would wake each other for ever
 	}
 	return gaveUp
