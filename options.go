@@ -102,8 +102,9 @@ func WithHandleTimeout(d time.Duration) Option { return func(c *config) { c.hand
 
 // WithMaxOverruns bounds how many overrunning calls (each a goroutine until it
 // returns) get a replacement worker at once; default DefaultMaxOverruns. Past
-// it, a call keeps its worker and an error is logged. 0 never replaces one;
-// each overrun is then only a warning, as keeping the worker is the setting.
+// it, a call keeps its worker until a replaced call returns, and an error
+// is logged. 0 never replaces one; each overrun is then only a warning, as
+// keeping the worker is the setting.
 func WithMaxOverruns(n int) Option { return func(c *config) { c.maxOverruns = n } }
 
 // WithMaxAttempts drops an event with ErrMaxAttempts after n failed handler

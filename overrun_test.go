@@ -81,6 +81,9 @@ func (h *harness) workers() int {
 	return h.m.slotsHeld()
 }
 
+// limitLine is logged for an overrun past WithMaxOverruns.
+const limitLine = "too many handler calls overrunning their timeout (WithMaxOverruns): this one keeps its worker until a replaced call returns"
+
 // Past WithMaxOverruns an overrunning call keeps its worker, and says so;
 // once a replaced call returns, the held one's slot goes to a new worker.
 func TestMaxOverrunsBoundsReplacedWorkers(t *testing.T) {
@@ -96,7 +99,6 @@ func TestMaxOverrunsBoundsReplacedWorkers(t *testing.T) {
 	h.clock.Step(time.Second + grace) // a overruns: replaced, the new worker takes b
 	<-startedB
 	h.clock.Step(time.Second + grace) // b overruns: the bound is reached, c waits
-	const limitLine = "too many handler calls overrunning their timeout (WithMaxOverruns): this one keeps its worker"
 	waitFor(t, func() bool { return h.logged(limitLine, "b") }, "b's overrun logged, at the bound")
 	assert.True(t, h.logged(overranLine, "b"))
 	assert.Len(t, h.entries(limitLine), 1)
@@ -128,7 +130,7 @@ func TestNoReplacementChosenLogsNoLimitError(t *testing.T) {
 	<-started
 	h.clock.Step(time.Second + grace)
 	waitFor(t, func() bool { return h.logged(overranLine, "a") }, "a's overrun logged")
-	assert.Empty(t, h.entries("too many handler calls overrunning their timeout (WithMaxOverruns): this one keeps its worker"))
+	assert.Empty(t, h.entries(limitLine))
 	assert.Equal(t, 1, h.m.Stats().Queued, "b waits: a keeps the one worker")
 	release()
 	waitFor(t, func() bool { return len(r.handledList()) == 2 }, "a and b handled once a returns")
@@ -255,5 +257,5 @@ func TestACallOverrunningDuringStopIsNotReplaced(t *testing.T) {
 	lines := h.entries(overranLine)
 	require.Len(t, lines, 1)
 	assert.Equal(t, false, lines[0].Data["replaced"], "no worker replaces a call once stopped")
-	assert.Empty(t, h.entries("too many handler calls overrunning their timeout (WithMaxOverruns): this one keeps its worker"))
+	assert.Empty(t, h.entries(limitLine))
 }

@@ -183,7 +183,7 @@ func (m *Monitor) logOverruns(overruns []overrun) {
 		entry.Warn("event handler overran its timeout; its key stays held until it returns or Stop abandons it")
 		if o.limited {
 			entry.WithField("limit", m.cfg.maxOverruns).
-				Error("too many handler calls overrunning their timeout (WithMaxOverruns): this one keeps its worker")
+				Error("too many handler calls overrunning their timeout (WithMaxOverruns): this one keeps its worker until a replaced call returns")
 		}
 	}
 }
