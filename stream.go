@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+
+	"github.com/eventmonitor/eventmonitor/internal/keyq"
 )
 
 // streamState is stream intake's part of the monitor, guarded by its mu.
@@ -191,9 +193,7 @@ func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) erro
 		m.mu.Lock()
 		m.stats.Resubscribed++
 		m.mu.Unlock()
-		if delay = 2 * delay; delay > m.cfg.resubMax || delay <= 0 { // <= 0: overflow
-			delay = m.cfg.resubMax
-		}
+		delay = keyq.Doubled(delay, m.cfg.resubMax)
 	}
 	if ctx.Err() == nil {
 		return ErrStopped

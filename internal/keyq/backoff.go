@@ -48,8 +48,9 @@ func (k *Key[T]) Delay() time.Duration {
 	return k.backoff.delay
 }
 
-// doubled is 2d, capped at limit, without overflowing.
-func doubled(d, limit time.Duration) time.Duration {
+// Doubled is 2d, capped at limit, without overflowing: the one doubling
+// rule, for keys' backoff and the monitor's re-subscription.
+func Doubled(d, limit time.Duration) time.Duration {
 	if d >= limit/2 {
 		return limit
 	}

@@ -212,7 +212,7 @@ func (s *Set[T]) Failed(k *Key[T], it T, now time.Time) {
 	k.items = slices.Insert(k.items, 0, it) // failures are rare: a copy is fine
 	delay := s.delays.Initial
 	if k.inReplayCall() && k.backoff.taken == 1 { // the replay's first call: the key still fails, so it waits longer
-		delay = doubled(k.backoff.delay, s.delays.Max)
+		delay = Doubled(k.backoff.delay, s.delays.Max)
 	}
 	k.backoff = &backoff{delay: delay, due: s.dueAfter(now, delay)}
 	s.moveTo(k, Waiting)
