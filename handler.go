@@ -6,7 +6,6 @@ import (
 	"reflect"
 	"slices"
 	"strings"
-	"sync"
 
 	"github.com/containerd/log"
 )
@@ -38,7 +37,7 @@ func (f HandlerFunc) HandleEvent(ctx context.Context, event any) error { return 
 // handling.
 type Mux struct {
 	routes   map[reflect.Type]func(ctx context.Context, event any) error
-	unrouted sync.Map // types seen with no route: the program's own types, so few
+	unrouted logOnce[reflect.Type]
 }
 
 // NewMux returns an empty Mux.
@@ -67,7 +66,7 @@ func (m *Mux) HandleEvent(ctx context.Context, event any) error {
 	if route, ok := m.routes[t]; ok {
 		return route(ctx, event)
 	}
-	if _, seen := m.unrouted.LoadOrStore(t, true); !seen {
+	if m.unrouted.first(t) {
 		log.G(ctx).WithField("type", fmt.Sprint(t)).
 			Debug("ignoring events of a type the Mux has no route for; logged once per type")
 	}

@@ -33,9 +33,6 @@ func (f SubscriberFunc) Subscribe(ctx context.Context, filters ...string) (<-cha
 	return f(ctx, filters...)
 }
 
-// maxIgnoredURLs bounds the ignored type URLs remembered for logging once.
-const maxIgnoredURLs = 256
-
 var (
 	// errFiltered marks an envelope of another namespace: counted, not accepted.
 	errFiltered = errors.New("eventmonitor: envelope of another namespace")
@@ -70,7 +67,6 @@ func (m *Monitor) ingest(ctx context.Context, env *Envelope) {
 	}, func() { m.dropUnaccepted("", it, errConverterExited) }) // it.event is nil: convert did not return, or ignored it
 	m.mu.Lock()
 	var drops []Drop
-	firstIgnored := false
 	switch {
 	case err == errFiltered:
 		m.stats.Received++
@@ -78,10 +74,6 @@ func (m *Monitor) ingest(ctx context.Context, env *Envelope) {
 	case ignored:
 		m.stats.Received++
 		m.stats.Ignored++
-		firstIgnored = !m.stream.ignoredURLs[url] && len(m.stream.ignoredURLs) < maxIgnoredURLs
-		if firstIgnored {
-			m.stream.ignoredURLs[url] = true
-		}
 	case err == nil:
 		for m.state.accepts() && ctx.Err() == nil && m.keys.Queued() >= m.cfg.intakeLimit {
 			m.cond.Wait()
@@ -93,7 +85,7 @@ func (m *Monitor) ingest(ctx context.Context, env *Envelope) {
 		drops = m.refuse(key, it, err)
 	}
 	m.mu.Unlock() // endAccepting, deferred, reconciles
-	if firstIgnored {
+	if ignored && m.stream.ignoredURLs.first(url) {
 		m.cfg.logger.WithFields(log.Fields{"topic": env.Topic, "namespace": env.Namespace, "type": url}).
 			WithError(err).Debug("ignoring events of a type the converter has no key for; logged once per type")
 	}

@@ -139,7 +139,6 @@ func New(h Handler, opts ...Option) (*Monitor, error) {
 		keys: keyq.New[item](keyq.Delays{Initial: cfg.initialBackoff, Max: cfg.maxBackoff,
 			Jitter: cfg.jitter, Rand: rand.Float64}),
 		sched:    schedulerState{wake: make(chan struct{}, 1)},
-		stream:   streamState{ignoredURLs: make(map[string]bool)},
 		stopping: make(chan struct{}),
 		lifetime: make(chan error),
 	}

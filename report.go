@@ -1,6 +1,7 @@
 package eventmonitor
 
 import (
+	"sync"
 	"time"
 
 	"github.com/containerd/log"
@@ -72,6 +73,30 @@ func (m *Monitor) logRetry(c *call) {
 		entry = entry.WithField("previous_error", f.last.Error())
 	}
 	entry.Info("retrying backed-off events")
+}
+
+// logOnce remembers what was logged, up to maxLoggedOnce kinds, so that a
+// kind of event nobody handles is logged once rather than per event.
+type logOnce[K comparable] struct {
+	mu     sync.Mutex
+	logged map[K]bool
+}
+
+// maxLoggedOnce bounds what a logOnce remembers: past it, nothing new is logged.
+const maxLoggedOnce = 256
+
+// first reports whether k is seen for the first time, and remembers it.
+func (o *logOnce[K]) first(k K) bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.logged[k] || len(o.logged) >= maxLoggedOnce {
+		return false
+	}
+	if o.logged == nil {
+		o.logged = make(map[K]bool)
+	}
+	o.logged[k] = true
+	return true
 }
 
 func itemFields(key string, it item) log.Fields {

@@ -14,7 +14,7 @@ import (
 type streamState struct {
 	reader      reader
 	subscribed  *subscription   // by Subscribe, for Start
-	ignoredURLs map[string]bool // type URLs ignored so far, for logging once
+	ignoredURLs logOnce[string] // type URLs the converter has no key for (under a lock of its own)
 	read        bool            // a Run or Start has read a stream: a later Run's first subscription follows an outage
 }
 

@@ -981,17 +981,17 @@ func TestSubscribingAgainEndsTheEarlierStream(t *testing.T) {
 	require.Error(t, first.Err(), "the first stream's ctx is still live")
 }
 
-// Bound (maxIgnoredURLs): the type URLs the stream reader remembers, to log
+// Bound (maxLoggedOnce): the type URLs the stream reader remembers, to log
 // an ignored type once, are bounded; past the bound an ignored type is
 // counted, not logged.
 func TestIgnoredTypeURLsAreRememberedUpToABound(t *testing.T) {
 	conv := ConverterFunc(func(typeurl.Any) (string, any, error) { return "", nil, ErrUnsupportedEvent })
 	h := newHarness(t, newRecorder(), WithConverter(conv))
-	for i := range maxIgnoredURLs + 10 {
+	for i := range maxLoggedOnce + 10 {
 		h.m.ingest(context.Background(), &Envelope{Topic: "/t", Event: &anypb.Any{TypeUrl: fmt.Sprint("t/", i)}})
 	}
-	require.Equal(t, maxIgnoredURLs, len(h.entries("ignoring events of a type the converter has no key for; logged once per type")))
-	require.Equal(t, uint64(maxIgnoredURLs+10), h.m.Stats().Ignored)
+	require.Equal(t, maxLoggedOnce, len(h.entries("ignoring events of a type the converter has no key for; logged once per type")))
+	require.Equal(t, uint64(maxLoggedOnce+10), h.m.Stats().Ignored)
 }
 
 // Promise (ingest): at WithIntakeLimit the reader waits for room "until ctx
