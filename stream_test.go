@@ -1017,3 +1017,29 @@ func TestIntakeWaitingForRoomEndsWithItsCtx(t *testing.T) {
 		t.Fatal("ingest still waits for room after its ctx ended")
 	}
 }
+
+// Run doubles its re-subscription delay up to the maximum, exactly: with a
+// maximum of an odd number of nanoseconds, half of it rounded down doubles
+// to one less than the maximum, not to the maximum.
+func TestResubscribeDelayDoublesExactly(t *testing.T) {
+	stream := newFakeStream()
+	clk := newSignallingClock()
+	const initial, max = 150 * time.Millisecond, 300*time.Millisecond + time.Nanosecond
+	h := newHarness(t, newRecorder(), WithConverter(testConverter), withSignallingClock(clk),
+		WithResubscribe(initial, max))
+	ctx, cancel := context.WithCancel(context.Background())
+	runErr := make(chan error)
+	go func() { runErr <- h.m.Run(ctx, stream) }()
+	defer func() { cancel(); require.NoError(t, <-runErr) }()
+
+	sub := <-stream.newSub
+	var got []time.Duration
+	for range 3 {
+		sub.errs <- errors.New("broken")
+		d := <-clk.timers // Run's delay before re-subscribing: no other timer is made
+		got = append(got, d)
+		h.clock.Step(d)
+		sub = <-stream.newSub
+	}
+	require.Equal(t, []time.Duration{initial, 2 * initial, max}, got, "the initial delay, doubled, then capped")
+}

@@ -48,10 +48,11 @@ func (k *Key[T]) Delay() time.Duration {
 	return k.backoff.delay
 }
 
-// Doubled is 2d, capped at limit, without overflowing: the one doubling
-// rule, for keys' backoff and the monitor's re-subscription.
+// Doubled is 2d, capped at limit, without overflowing (d ≤ limit/2 ⇒ 2d ≤
+// limit, halves rounded down): the one doubling rule, for keys' backoff
+// and the monitor's re-subscription.
 func Doubled(d, limit time.Duration) time.Duration {
-	if d >= limit/2 {
+	if d > limit/2 {
 		return limit
 	}
 	return 2 * d

@@ -161,7 +161,7 @@ func TestDoubling(t *testing.T) {
 		wants []time.Duration // after each replay that fails on its first event
 	}{
 		{Delays{Initial: sec, Max: 5 * sec}, []time.Duration{2 * sec, 4 * sec, 5 * sec, 5 * sec}},
-		{Delays{Initial: math.MaxInt64 / 2, Max: math.MaxInt64}, []time.Duration{math.MaxInt64, math.MaxInt64}},
+		{Delays{Initial: math.MaxInt64 / 2, Max: math.MaxInt64}, []time.Duration{math.MaxInt64 - 1, math.MaxInt64, math.MaxInt64}}, // 2d exactly, then the cap; no overflow
 	} {
 		s := New[int](c.d)
 		k := s.Push("a", 1)
