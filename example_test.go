@@ -371,3 +371,29 @@ func ExampleWithDeferredStart() {
 	// before Start: 1 queued
 	// handled c1 exit, seen while recovering
 }
+
+// Forget takes back what a key holds once its object is gone, as when a
+// container is removed while its events wait in backoff: they are returned,
+// in order, rather than retried against nothing.
+func ExampleMonitor_Forget() {
+	m, err := eventmonitor.New(eventmonitor.HandlerFunc(func(ctx context.Context, event any) error {
+		return errors.New("task not found")
+	}), eventmonitor.WithBackoff(time.Hour, time.Hour))
+	if err != nil {
+		panic(err)
+	}
+	defer m.Stop()
+
+	_ = m.Submit("c1", "c1 exit") // fails, and waits an hour in backoff
+	_ = m.Submit("c1", "c1 delete")
+	if err := m.WaitIdle(context.Background()); err != nil {
+		panic(err)
+	}
+	fmt.Println("in backoff:", m.InBackoff("c1"))
+	fmt.Println("forgotten:", m.Forget("c1"))
+	fmt.Println("in backoff:", m.InBackoff("c1"), "forgotten in all:", m.Stats().Forgotten)
+	// Output:
+	// in backoff: true
+	// forgotten: [c1 exit c1 delete]
+	// in backoff: false forgotten in all: 2
+}
