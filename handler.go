@@ -32,9 +32,9 @@ func (f HandlerFunc) HandleEvent(ctx context.Context, event any) error { return 
 // Mux routes each event to the function registered for its Go type; for
 // other types it returns ErrUnsupportedEvent, counted in Stats.Ignored and
 // not retried, as containerd skips unknown topics, and logs the first of
-// each type at debug level (a forgotten On shows there). Call On only
-// before the first event: registration is not safe concurrently with
-// handling.
+// each type (of the first 256) at debug level: a forgotten On shows there.
+// Call On only before the first event: registration is not safe
+// concurrently with handling.
 type Mux struct {
 	routes   map[reflect.Type]func(ctx context.Context, event any) error
 	unrouted logOnce[reflect.Type]
