@@ -89,6 +89,6 @@ func TestContendersKeepOrderThroughRetries(t *testing.T) {
 }
 
 func TestMain(m *testing.M) {
-	log.L.Logger.SetLevel(log.ErrorLevel) // the failures are on purpose
+	log.L.Logger.SetLevel(log.FatalLevel) // the failures are on purpose: their error lines are not news
 	os.Exit(m.Run())
 }
