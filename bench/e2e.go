@@ -18,6 +18,8 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
+	"runtime/pprof"
 	"slices"
 	"strings"
 	"sync"
@@ -65,7 +67,12 @@ var (
 	e2eVariant = flag.String("e2e-subscriber", "", "run as the end-to-end scenario's subscriber of this variant")
 	e2eSocket  = flag.String("e2e-socket", "", "the subscriber's containerd socket")
 	e2eEvents  = flag.Int("e2e-events", 0, "how many TaskExit events the subscriber waits for")
+	e2eProfile = flag.String("e2e-profile", "", "the subscriber's CPU profile, from its first event to its last")
 )
+
+// e2eProfiles, if set, is where each variant's subscriber writes its CPU
+// profile under the flood, as <variant>.pprof: the last run's.
+var e2eProfiles = flag.String("e2e-cpuprofile", "", "end to end: a directory for each subscriber's CPU profile under the flood")
 
 // pacedRate and pacedEvents make the scenario's second pass: latency below
 // saturation, where it is the subscriber's own and not the daemon's queue.
@@ -173,7 +180,17 @@ func e2eRun(socket, variant string, n, rate int) (e2eResult, error) {
 	if err != nil {
 		return e2eResult{}, err
 	}
-	cmd := exec.Command(self, "-e2e-subscriber", variant, "-e2e-socket", socket, "-e2e-events", fmt.Sprint(n))
+	args := []string{"-e2e-subscriber", variant, "-e2e-socket", socket, "-e2e-events", fmt.Sprint(n)}
+	if *e2eProfiles != "" && rate == 0 {
+		name := strings.Map(func(r rune) rune {
+			if strings.ContainsRune(" (),'", r) {
+				return '_'
+			}
+			return r
+		}, variant)
+		args = append(args, "-e2e-profile", filepath.Join(*e2eProfiles, name+".pprof"))
+	}
+	cmd := exec.Command(self, args...)
 	cmd.Stderr = os.Stderr
 	out, err := cmd.StdoutPipe()
 	if err != nil {
@@ -286,6 +303,19 @@ func e2eSubscriber(variant, socket string, n int) error {
 	}
 	defer conn.Close()
 
+	startProfile := func() {}
+	if *e2eProfile != "" {
+		f, err := os.Create(*e2eProfile)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		startProfile = func() {
+			if err := pprof.StartCPUProfile(f); err != nil {
+				fmt.Fprintln(os.Stderr, "bench: profile:", err)
+			}
+		}
+	}
 	var probed sync.Once
 	latencies := make([]time.Duration, 0, n)
 	var first time.Time
@@ -300,10 +330,12 @@ func e2eSubscriber(variant, socket string, n int) error {
 			now := time.Now()
 			if len(latencies) == 0 {
 				first, firstCPU = now, processCPU()
+				startProfile()
 			}
 			latencies = append(latencies, now.Sub(e.ExitedAt.AsTime()))
 			if len(latencies) == n {
 				cpu := processCPU() - firstCPU
+				pprof.StopCPUProfile()
 				slices.Sort(latencies)
 				done <- e2eResult{
 					Rate:        float64(n-1) / now.Sub(first).Seconds(),
