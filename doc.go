@@ -56,5 +56,5 @@ package eventmonitor
 //     from which Stats derives the gauges (a call by its stage, which
 //     settle ends). Stop hands over what is left in finishStop (stop.go),
 //     after waiting for what is being accepted (Monitor.accepting) and for
-//     the scheduler and watchers. Its bounded return: stop's loop abandons
-//     each call expire (scheduler.go) marked overran at overrunAt.
+//     the scheduler and watchers. Stop's bounded return: its loop abandons
+//     each call that expire (scheduler.go) marks overran at overrunAt.
