@@ -252,7 +252,7 @@ func TestACallOverrunningDuringStopIsNotReplaced(t *testing.T) {
 	go func() { h.m.Stop(); close(stopped) }()
 	waitFor(t, h.stopping, "Stop begun")
 	h.clock.Step(time.Second + grace) // a overruns: Stop abandons it
-	<-stopped
+	awaitClosed(t, stopped, "Stop")
 	waitFor(t, func() bool { return h.logged(overranLine, "a") }, "a's overrun logged")
 	lines := h.entries(overranLine)
 	require.Len(t, lines, 1)

@@ -252,21 +252,24 @@ func TestIntakeLimitLeavesKeysInBackoffOut(t *testing.T) {
 }
 
 func TestRunResubscribesWithBackoff(t *testing.T) {
+	const max = 400*time.Millisecond + time.Nanosecond
 	r := newRecorder()
 	stream := newFakeStream()
 	clk := newSignallingClock()
 	h := newHarness(t, r, WithConverter(testConverter), withSignallingClock(clk),
-		WithResubscribe(100*time.Millisecond, 400*time.Millisecond))
+		WithResubscribe(100*time.Millisecond, max))
 	ctx, cancel := context.WithCancel(context.Background())
 	runErr := make(chan error)
 	go func() { runErr <- h.m.Run(ctx, stream) }()
 
 	sub := <-stream.newSub
-	// Failed subscriptions in a row: 100, 200, 400, 400 ms apart.
-	for _, wait := range []time.Duration{100, 200, 400, 400} {
+	// Failed subscriptions in a row: 100, 200, 400 ms apart (doubled
+	// exactly, though half the odd maximum rounds down to 200 ms), then the
+	// maximum.
+	for _, wait := range []time.Duration{100 * time.Millisecond, 200 * time.Millisecond, 400 * time.Millisecond, max, max} {
 		sub.errs <- errors.New("broken")
-		clk.waitTimer(t, wait*time.Millisecond) // Run's delay before re-subscribing
-		h.clock.Step(wait*time.Millisecond - time.Nanosecond)
+		clk.waitTimer(t, wait) // Run's delay before re-subscribing
+		h.clock.Step(wait - time.Nanosecond)
 		select {
 		case <-stream.newSub:
 			t.Fatalf("re-subscribed before %v", wait)
@@ -284,7 +287,7 @@ func TestRunResubscribesWithBackoff(t *testing.T) {
 	sub = <-stream.newSub
 	sub.send(t, envelope(t, "ns", wrapperspb.String("c2")))
 	waitFor(t, func() bool { return len(r.handledList()) == 2 }, "events from both subscriptions handled")
-	assert.Equal(t, uint64(5), h.m.Stats().Resubscribed)
+	assert.Equal(t, uint64(6), h.m.Stats().Resubscribed)
 
 	cancel()
 	require.NoError(t, <-runErr)
@@ -1016,30 +1019,4 @@ func TestIntakeWaitingForRoomEndsWithItsCtx(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("ingest still waits for room after its ctx ended")
 	}
-}
-
-// Run doubles its re-subscription delay up to the maximum, exactly: with a
-// maximum of an odd number of nanoseconds, half of it rounded down doubles
-// to one less than the maximum, not to the maximum.
-func TestResubscribeDelayDoublesExactly(t *testing.T) {
-	stream := newFakeStream()
-	clk := newSignallingClock()
-	const initial, max = 150 * time.Millisecond, 300*time.Millisecond + time.Nanosecond
-	h := newHarness(t, newRecorder(), WithConverter(testConverter), withSignallingClock(clk),
-		WithResubscribe(initial, max))
-	ctx, cancel := context.WithCancel(context.Background())
-	runErr := make(chan error)
-	go func() { runErr <- h.m.Run(ctx, stream) }()
-	defer func() { cancel(); require.NoError(t, <-runErr) }()
-
-	sub := <-stream.newSub
-	var got []time.Duration
-	for range 3 {
-		sub.errs <- errors.New("broken")
-		d := <-clk.timers // Run's delay before re-subscribing: no other timer is made
-		got = append(got, d)
-		h.clock.Step(d)
-		sub = <-stream.newSub
-	}
-	require.Equal(t, []time.Duration{initial, 2 * initial, max}, got, "the initial delay, doubled, then capped")
 }
