@@ -13,9 +13,16 @@
 //	eventmonitortest.Step(t, m, clk, 999*time.Millisecond) // not retried yet
 //	eventmonitortest.Step(t, m, clk, time.Millisecond)     // retried now
 //
-// While a handler call runs within its deadline (with WithHandleTimeout
-// above 0), the deadline holds a timer on the clock, so FakeClock.HasWaiters
-// is true then; once the call overran, it holds none of its own. An idle
+// Step and StepToNextRetry settle first, which waits for calls in
+// progress: to end a call at its deadline, step clk yourself, then Settle.
+// A handler that blocks until its ctx ends keeps the monitor busy, so
+// while one runs, WaitIdle is no sync point for other keys: run such a
+// test in a testing/synctest bubble, where synctest.Wait is one.
+//
+// While a handler call runs (with WithHandleTimeout above 0), until it
+// overruns (its deadline plus a grace, see WithHandleTimeout), it holds a
+// timer on the clock, so FakeClock.HasWaiters is true then; once the call
+// overran, it holds none of its own. An idle
 // monitor holds none unless a key waits in backoff or Run waits (to
 // re-subscribe, or before a resync). Tests should not use HasWaiters to
 // learn whether a retry is scheduled: use NextRetry or Monitor.Pending.
@@ -70,8 +77,10 @@ func StepToNextRetry(t testing.TB, m *eventmonitor.Monitor, clk *testclock.FakeC
 	if !ok {
 		t.Fatalf("eventmonitortest: no key is waiting in backoff (stats %+v)", m.Stats())
 	}
-	step := max(0, due.Sub(clk.Now()))
-	clk.Step(step)
+	now := clk.Now()
+	if due.After(now) { // not if a held monitor (WithDeferredStart) let it pass
+		clk.SetTime(due) // not Step(due.Sub(now)): Sub stops at about 292 years
+	}
 	Settle(t, m)
-	return step
+	return max(0, due.Sub(now))
 }

@@ -74,6 +74,28 @@ func TestRetriedAfterExactlyItsBackoff(t *testing.T) {
 	}
 }
 
+// StepToNextRetry reaches a retry however far back the clock was set: a
+// Duration spans only about 292 years.
+func TestStepToNextRetryAfterTheClockWentFarBack(t *testing.T) {
+	clk := testclock.NewFakeClock(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
+	h := &flakyHandler{failures: 1}
+	m, err := eventmonitor.New(h, eventmonitor.WithClock(clk))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Stop()
+	if err := m.Submit("c1", "exit of c1"); err != nil {
+		t.Fatal(err)
+	}
+	eventmonitortest.Settle(t, m)
+	due, _ := m.NextRetry()
+	clk.SetTime(time.Date(1, 1, 1, 0, 0, 0, 0, time.UTC))
+	eventmonitortest.StepToNextRetry(t, m, clk)
+	if got := h.callCount(); got != 2 || !clk.Now().Equal(due) {
+		t.Fatalf("clock at %v, %d calls; want it at the retry's due time %v, and the retry made", clk.Now(), got, due)
+	}
+}
+
 // An idle monitor holds no timer on the fake clock; a key in backoff holds
 // one (the retry), and so does a call in progress (its deadline).
 func TestFakeClockWaitersTellTheTruth(t *testing.T) {
