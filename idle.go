@@ -40,7 +40,8 @@ func (m *Monitor) NextRetry() (time.Time, bool) {
 // clock to NextRetry, WaitIdle again (see package eventmonitortest). An
 // envelope or exit may be taken off its channel an instant before it is
 // noted: such tests also wait for Stats().Received (or use
-// testing/synctest).
+// testing/synctest). Do not call WaitIdle from a handler, which it would
+// wait for, nor from a callback Stop waits for (see Stop).
 func (m *Monitor) WaitIdle(ctx context.Context) error {
 	ctx, done := m.waitingOn(ctx)
 	defer done()

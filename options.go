@@ -82,7 +82,8 @@ func WithBackoff(initial, max time.Duration) Option {
 // itself, so keys that failed together do not retry together. The spread
 // comes from math/rand/v2's unseeded source: a test that steps a fake
 // clock to exact retry times leaves jitter off (the default) or steps to
-// NextRetry.
+// NextRetry. A delay at WithBackoff's cap is spread too, so a wait may
+// pass the cap by up to the fraction.
 func WithJitter(fraction float64) Option { return func(c *config) { c.jitter = fraction } }
 
 // WithWorkers sets how many keys are handled at once (1..MaxWorkers). The
