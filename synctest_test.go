@@ -79,6 +79,58 @@ func TestRetriesAndTimeoutsInASynctestBubble(t *testing.T) {
 	})
 }
 
+// Stop and Shutdown beside a handler that ignores its ctx return when the
+// call overruns (its deadline plus the grace) to the nanosecond, not
+// before: the bound is the clock's.
+func TestStopAndShutdownReturnExactlyAtTheOverrun(t *testing.T) {
+	for _, how := range []string{"Stop", "Shutdown"} {
+		t.Run(how, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				release := make(chan struct{})
+				drops := &dropRecorder{}
+				m, err := eventmonitor.New(eventmonitor.HandlerFunc(func(context.Context, any) error {
+					<-release
+					return nil
+				}), eventmonitor.WithHandleTimeout(5*time.Second), eventmonitor.WithDropHandler(drops.record),
+					eventmonitor.WithLogger(quietLogger()))
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer close(release)
+				if err := m.Submit("k", "stuck"); err != nil {
+					t.Fatal(err)
+				}
+				synctest.Wait() // the call starts now: its deadline is 5 s on, the grace 0.5 s after
+				returned := make(chan error, 1)
+				go func() {
+					if how == "Stop" {
+						m.Stop()
+						returned <- nil
+						return
+					}
+					returned <- m.Shutdown(context.Background())
+				}()
+				time.Sleep(5500*time.Millisecond - time.Nanosecond)
+				synctest.Wait()
+				if len(returned) > 0 {
+					t.Fatalf("%s returned before the call overran", how)
+				}
+				time.Sleep(time.Nanosecond)
+				synctest.Wait()
+				select {
+				case err := <-returned:
+					if how == "Shutdown" && !errors.Is(err, eventmonitor.ErrStopped) {
+						t.Fatalf("Shutdown: %v, want ErrStopped for the abandoned call", err)
+					}
+				default:
+					t.Fatalf("%s did not return as the call overran", how)
+				}
+				drops.requireDroppedStopped(t, "stuck")
+			})
+		})
+	}
+}
+
 // A stream is read inside the bubble too: once synctest.Wait returns, every
 // envelope sent has been converted and handled.
 func TestStreamInASynctestBubble(t *testing.T) {
