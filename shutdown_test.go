@@ -337,6 +337,76 @@ func stuckOnA(t *testing.T, opts ...Option) (h *harness, release func()) {
 	return h, release
 }
 
+// Two Shutdowns share a ctx, which ends before the drain could begin (the
+// reader holds an envelope). The first to see it stops; the other finds
+// that stop begun, so its drain was cut short by a stop that came first:
+// ctx's error or ErrStopped, as its doc says, and never nil.
+func TestShutdownsSharingACtxBothReportTheLoss(t *testing.T) {
+	h, convert := readerInConverter(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	errs := make(chan error, 2)
+	for range 2 {
+		go func() { errs <- h.m.Shutdown(ctx) }()
+	}
+	waitFor(t, func() bool { return goroutinesIn("(*Monitor).Shutdown", "sync.(*Cond).Wait") == 2 },
+		"both Shutdowns wait for the reader")
+	cancel()
+	waitFor(t, stateIs(h.m, stopped), "a Shutdown saw ctx end and stopped")
+	convert() // the envelope is refused and dropped: the stop can finish
+	got := []error{awaitErr(t, errs), awaitErr(t, errs)}
+	require.True(t, slices.ContainsFunc(got, func(err error) bool { return errors.Is(err, context.Canceled) }),
+		"the Shutdown that stopped reports ctx's error: %v", got)
+	for _, err := range got {
+		if !errors.Is(err, context.Canceled) {
+			require.ErrorIs(t, err, ErrStopped)
+			require.ErrorContains(t, err, "cut short")
+		}
+	}
+}
+
+// blockingExit's Result blocks until release is closed; entered is closed
+// when it is called.
+type blockingExit struct{ entered, release chan struct{} }
+
+func (b blockingExit) Result() (uint32, time.Time, error) {
+	close(b.entered)
+	<-b.release
+	return 0, epoch, nil
+}
+
+// Shutdown's message counts the events its stop dropped, not those queued
+// as it began: an owner may Forget them while the stop waits (here, for an
+// exit being read).
+func TestShutdownDoesNotReportAsDroppedAnEventForgottenDuringTheStop(t *testing.T) {
+	h, _ := stuckOnA(t)
+	h.submit(t, ev{"a", 2})
+	exit := blockingExit{make(chan struct{}), make(chan struct{})}
+	exitCh := make(chan blockingExit, 1)
+	exitCh <- exit
+	watched := WatchExit(context.Background(), h.m, "x", exitCh, exitOf("x"))
+	<-exit.entered // the exit is being read: finishStop waits for it
+	h.clock.Step(DefaultHandleTimeout + time.Second)
+	waitFor(t, func() bool { return h.m.Stats().Overrunning == 1 }, "a/1 overruns: the drain can move no more")
+
+	shut := make(chan error, 1)
+	go func() { shut <- h.m.Shutdown(context.Background()) }()
+	waitFor(t, func() bool { return h.stopping() && h.m.Stats().InFlight == 0 }, "the stop abandoned a/1")
+	require.Equal(t, []any{ev{"a", 2}}, h.m.Forget("a"), "a/2 is the owner's again")
+	close(exit.release)
+	awaitClosed(t, watched, "the watcher")
+	err := awaitErr(t, shut)
+
+	require.ErrorIs(t, err, ErrStopped, "a/1 was abandoned")
+	require.NotContains(t, err.Error(), "dropped", "a/2 was forgotten")
+	for _, d := range h.drops.all() {
+		require.NotContains(t, d.Events, any(ev{"a", 2}))
+	}
+	s := h.m.Stats()
+	assertBalanced(t, s)
+	require.Equal(t, uint64(1), s.Forgotten)
+}
+
 // Promise (Shutdown's doc and contract): Shutdown returns nil when a Stop
 // had already begun before it was called: it drained nothing, so it has
 // nothing of its own to report. Here Stop begins while a call that ignores
@@ -755,7 +825,8 @@ func TestShutdownResultFollowsWhatItsDrainLost(t *testing.T) {
 		{"cut by a Stop with only a call being reported left", drainOutcome{atStop: atStop{cut: true}}, live, nil},
 		{"cut by a Stop with a handler running", drainOutcome{atStop: atStop{cut: true, running: 1}}, live, ErrStopped},
 		{"handlers running as ctx ended", drainOutcome{atStop: atStop{running: 1}, ended: true}, ended, context.Canceled},
-		{"stuck calls abandoned and their key's events dropped", drainOutcome{atStop: atStop{left: 1}, gaveUp: 1}, live, ErrStopped},
+		{"stuck calls abandoned and their key's events dropped", drainOutcome{atStop: atStop{left: 1, dropped: 1}}, live, ErrStopped},
+		{"events held back, forgotten during the stop", drainOutcome{atStop: atStop{left: 1}}, live, nil},
 		{"stuck call abandoned, ctx ended after the drain", drainOutcome{gaveUp: 1}, ended, ErrStopped},
 		{"a Stop had begun before", drainOutcome{atStop: atStop{left: 3}, stoppedFirst: true, gaveUp: 1}, live, nil},
 		{"a Stop had begun before and had ended, ctx ended", drainOutcome{stoppedFirst: true}, ended, nil},
@@ -768,7 +839,7 @@ func TestShutdownResultFollowsWhatItsDrainLost(t *testing.T) {
 			assert.ErrorIs(t, err, tc.want, tc.name)
 		}
 	}
-	err := drainOutcome{atStop: atStop{left: 1}, gaveUp: 1}.err(live)
+	err := drainOutcome{atStop: atStop{left: 1, dropped: 1}, gaveUp: 1}.err(live)
 	assert.ErrorContains(t, err, "abandoned 1 handler call")
 	assert.ErrorContains(t, err, "dropped 1 event that stuck calls held back")
 }

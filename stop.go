@@ -20,8 +20,9 @@ import (
 // Stop also waits for what is already under way outside the handler: the
 // reports of returned calls, envelopes being taken and exits being read,
 // so a blocking drop handler, logger, Metrics, converter, exit builder or
-// ExitStatus.Result holds it up. An envelope Run's reader takes as Stop
-// returns is dropped with ErrStopped, maybe just after.
+// ExitStatus.Result holds it up, and so does a returned error whose Error
+// method blocks when the report logs it. An envelope Run's reader takes
+// as Stop returns is dropped with ErrStopped, maybe just after.
 //
 // Do not call Stop from a handler, which it would wait for until it
 // overruns (forever, without a timeout), nor from the drop handler,
@@ -108,7 +109,9 @@ func (m *Monitor) finishStop() {
 	m.keys.Keys(func(k *keyq.Key[item]) { names = append(names, k.Name()) })
 	slices.Sort(names)
 	for _, name := range names {
-		drops = append(drops, m.drop(name, ErrStopped, m.keys.Forget(name)...)...)
+		items := m.keys.Forget(name)
+		m.atStop.dropped += len(items)
+		drops = append(drops, m.drop(name, ErrStopped, items...)...)
 	}
 	m.reconcile()
 	m.poke() // the scheduler leaves: nothing is left to time
@@ -128,16 +131,18 @@ func (m *Monitor) finishStop() {
 // read or built) it still waits for.
 //
 // Its result, the first of these that applies:
-//   - an error wrapping ctx's error, if ctx ended before the drain was
-//     done (handlers not yet overrunning still running, events left, or
-//     the stream reader not yet done: it may take an envelope, which the
-//     stop drops), or its stop abandoned a call as ctx ended;
+//   - an error wrapping ctx's error, if ctx's end is what stopped the
+//     drain before it was done (handlers not yet overrunning still
+//     running, events left, or the stream reader not yet done: it may take
+//     an envelope, which the stop drops), or its stop abandoned a call as
+//     ctx ended;
 //   - nil, if a Stop had begun before it was called: what that Stop loses
 //     is its own;
 //   - an error wrapping ErrStopped that says what its drain lost: calls
-//     abandoned as they overran, events that stuck calls held back, or a
-//     stop (Stop, or another Shutdown as its ctx ended) that cut the drain
-//     short;
+//     abandoned (as they overran, or by another stop), events that stuck
+//     calls held back and the stop dropped, or a stop that began first and
+//     cut the drain short: a Stop, or another Shutdown whose ctx ended,
+//     even if this one's ctx (say, the same) had ended too;
 //   - nil: the drain was done.
 //
 // An event that fails during the drain goes to the drop handler; it is not
@@ -168,15 +173,18 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 	o.byCtx = m.stop(ctx) // a Stop already waiting does not hold it past ctx
 	m.mu.Lock()
 	o.gaveUp = len(m.abandonedDrops) // by any stop: no call is left to abandon
+	o.dropped = m.atStop.dropped
 	m.mu.Unlock()
 	return o.err(ctx)
 }
 
-// atStop is what was left as the stop began.
+// atStop is what was left as the stop began, and what finishStop dropped
+// of it.
 type atStop struct {
 	cut     bool // a Stop, or a Shutdown whose ctx ended, began it while a Shutdown's drain could move
 	reading bool // the stream reader was consuming
-	left    int  // events queued, which the stop drops
+	left    int  // events queued
+	dropped int  // of left, the events finishStop dropped: Forget may take some back first
 	running int  // calls whose handler had not returned and had not overrun
 	busy    bool // work WaitIdle waits for was left: not idle, or a replay due
 }
@@ -209,8 +217,8 @@ func (o drainOutcome) err(ctx context.Context) error {
 	switch {
 	case o.cut && o.unfinished():
 		lost = append(lost, "was cut short: the monitor stopped before its drain was done")
-	case o.left > 0:
-		lost = append(lost, "dropped "+counted(o.left, "event")+" that stuck calls held back")
+	case o.dropped > 0:
+		lost = append(lost, "dropped "+counted(o.dropped, "event")+" that stuck calls held back")
 	}
 	if len(lost) == 0 {
 		return nil
