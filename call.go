@@ -14,28 +14,27 @@ import (
 	"github.com/eventmonitor/eventmonitor/internal/keyq"
 )
 
-// stage is where a handler call is in its life.
+// stage is where a handler call is, as the monitor sees it (under mu).
 type stage uint8
 
 const (
-	inTime    stage = iota // running, its deadline (if any) still ahead
+	inTime    stage = iota // running, its deadline (if any) ahead
 	late                   // running past its deadline: its ctx ended
 	overran                // running past its deadline and the grace: stuck
-	settling               // returned and settled: its event is counted elsewhere; in calls until release
+	settling               // returned and counted; in calls until release
 	abandoned              // Stop gave up on it; its goroutine leaves unseen
 )
 
-// A call's progress is how far its goroutine got, written without mu:
-// notBegun, then invoked (by compare-and-swap, just before the handler),
-// then returned (just after). Stop, when it abandons a call not yet
-// invoked, moves it to withdrawn (by compare-and-swap), so that a call
-// whose event it dropped never starts; it never abandons a returned call:
-// that one settles once its goroutine has mu.
+// A call's progress is how far its goroutine got, set without mu:
+// notBegun, then invoked just before the handler and returned just after.
+// Stop withdraws a call not yet invoked (so that a call whose event it
+// dropped never starts) and never abandons a returned one (it settles as
+// soon as its goroutine has mu).
 const (
-	notBegun  int32 = iota
-	invoked         // the handler was called
-	returned        // no more of the handler runs: it returned (its error's methods too), panicked or exited
-	withdrawn       // abandoned before its handler began
+	notBegun int32 = iota
+	invoked
+	returned
+	withdrawn
 )
 
 // slotUse is which worker slot, if any, a call runs in.
@@ -47,37 +46,35 @@ const (
 	gaveSlot                // it overran and gave its slot to a new worker
 )
 
-// call is one handler call, and also the handler's ctx. It embeds a
-// standard cancel context (cancelled at the call's end, its deadline or
-// Stop), so that contexts derived from it cost no goroutine, even below a
-// context.WithValue.
+// call is one handler call, and the handler's ctx: a standard cancel
+// context (cancelled when the call returns, at its deadline or at Stop),
+// so that contexts derived from it cost no goroutine, with the call's
+// deadline and the key's logger on top.
 type call struct {
 	context.Context
 	cancel      context.CancelCauseFunc
 	key         *keyq.Key[item] // its name never changes: read it anywhere
-	it          item            // its failures change only under mu, by the call's own goroutine
+	it          item            // its failures change under mu, by the call's own goroutine
 	start       time.Time       // read only with a deadline or metrics
 	deadline    time.Time       // zero: none (WithHandleTimeout(0))
-	replayStart bool            // its event is the first of a replay: logged as a retry
-	progress    atomic.Int32    // how far its goroutine got; set without mu
+	replayStart bool            // the first event of a replay: logged as a retry
+	progress    atomic.Int32
 
-	// Guarded by Monitor.mu. stage: inTime, then late and overran (expire),
-	// settling (settle) or abandoned (Stop). slot: gaveSlot (replaceStuck).
-	slot  slotUse
-	stage stage
+	slot  slotUse // guarded by mu
+	stage stage   // guarded by mu
 }
 
-// runningIn reports whether c's handler has not returned, and c is in one
-// of stages. mu is held.
+// runningIn reports whether c's handler has not returned and c is in one of
+// stages. mu is held.
 func (c *call) runningIn(stages ...stage) bool {
 	return c.progress.Load() != returned && slices.Contains(stages, c.stage)
 }
 
-// Deadline is the monitor clock's start plus the handle timeout.
+// Deadline is the call's start on the monitor's clock plus the handle timeout.
 func (c *call) Deadline() (time.Time, bool) { return c.deadline, !c.deadline.IsZero() }
 
-// Err is DeadlineExceeded once the deadline ended the call's ctx. cancel
-// sets the cause together with Err, so a Cause read after Err is there.
+// Err is DeadlineExceeded once the deadline ended the call (cancel sets the
+// cause with Err, so Cause is there once Err is).
 func (c *call) Err() error {
 	err := c.Context.Err()
 	if err != nil && context.Cause(c.Context) == context.DeadlineExceeded {
@@ -86,7 +83,7 @@ func (c *call) Err() error {
 	return err
 }
 
-// Value gives the base context's logger the call's key.
+// Value gives log.G(ctx) the call's key.
 func (c *call) Value(key any) any {
 	v := c.Context.Value(key)
 	if l, ok := v.(*log.Entry); ok {
@@ -122,9 +119,8 @@ func (m *Monitor) startCall(k *keyq.Key[item], it item, replayStart bool, s slot
 	return c
 }
 
-// work is a worker: call c, if any, then the calls its slot takes on, until
-// no key is ready or its slot went to a new worker while its call overran.
-// A new worker takes over from one that a user's callback ended.
+// work is a worker: call c, then the calls its slot takes on, until no key
+// is ready or its slot went to a new worker while its call overran.
 func (m *Monitor) work(c *call) {
 	for c != nil {
 		c = m.handle(c)
@@ -134,41 +130,45 @@ func (m *Monitor) work(c *call) {
 // handle makes call c and returns the next call for its slot (see release).
 func (m *Monitor) handle(c *call) (next *call) {
 	if c.replayStart {
-		// Before the CAS: a call held up in a log hook has invoked no
-		// handler yet, so Stop may still withdraw it.
-		onGoexit(func() { m.logRetry(c) }, func() { c.replayStart = false; go m.work(c) })
+		m.logRetry(c) // before the CAS: Stop may still withdraw a call held up here
 	}
 	if !c.progress.CompareAndSwap(notBegun, invoked) {
 		return nil // Stop withdrew it before it began, and accounted for it
 	}
-	var ignored bool
-	var err error
-	onGoexit(func() { ignored, err = m.invoke(c) }, func() { go m.work(m.finish(c, false, errHandlerExited)) })
+	exited := true
+	defer func() {
+		if exited { // runtime.Goexit in the handler: settle anyway; a new goroutine takes the slot on
+			if next := m.finish(c, false, errHandlerExited); next != nil {
+				go m.work(next)
+			}
+		}
+	}()
+	ignored, err := m.invoke(c)
+	exited = false
 	return m.finish(c, ignored, err)
 }
 
 var errHandlerExited = fmt.Errorf("%w: it panicked with nil or called runtime.Goexit (as t.FailNow does)", ErrHandlerPanic)
 
 // invoke calls the handler and reports whether its error wraps
-// ErrUnsupportedEvent (ignored). A panic, in the handler or in errors.Is
-// running its error's methods, becomes ErrHandlerPanic.
+// ErrUnsupportedEvent (ignored). A panic, in the handler or in its error's
+// methods, becomes ErrHandlerPanic, logged with the panicking stack.
 func (m *Monitor) invoke(c *call) (ignored bool, err error) {
-	normal := false
+	returned := false
 	defer func() {
-		// r is nil after a panic(nil) under panicnil, and in runtime.Goexit,
-		// which goes on past here (see handle).
-		if r := recover(); r != nil || !normal {
-			err = errHandlerExited
-			if r != nil {
-				err = fmt.Errorf("%w: %s", ErrHandlerPanic, panicked(r))
-			}
-			m.cfg.logger.WithFields(log.Fields{"key": c.key.Name(), "stack": string(debug.Stack())}).
-				WithError(err).Error("event handler panicked")
+		if returned {
+			return
 		}
+		err = errHandlerExited // runtime.Goexit (recover is nil) unwinds on, to handle's defer
+		if r := recover(); r != nil {
+			err = fmt.Errorf("%w: %s", ErrHandlerPanic, panicked(r))
+		}
+		m.cfg.logger.WithFields(log.Fields{"key": c.key.Name(), "stack": string(debug.Stack())}).
+			WithError(err).Error("event handler panicked")
 	}()
 	err = checked(m.handler.HandleEvent(c, c.it.event))
 	ignored = errors.Is(err, ErrUnsupportedEvent)
-	normal = true
+	returned = true
 	return ignored, err
 }
 
@@ -191,13 +191,27 @@ func (m *Monitor) finish(c *call, ignored bool, err error) (next *call) {
 	if wasOverrun || out.failed != nil || m.cfg.metrics != nil { // something to report
 		m.reconcile()
 		m.mu.Unlock() // the report runs user code: logger, Metrics, drop handler
-		onGoexit(func() { m.report(c, err, end, out, wasOverrun) },
-			func() { m.mu.Lock(); defer m.mu.Unlock(); go m.work(m.release(c, out)) })
-		m.mu.Lock()
+		reported := false
+		defer func() {
+			if !reported { // that code ended the goroutine (runtime.Goexit): release the call still
+				if next := m.lockedRelease(c, out); next != nil {
+					go m.work(next)
+				}
+			}
+		}()
+		m.report(c, err, end, out, wasOverrun)
+		reported = true
+		return m.lockedRelease(c, out)
 	}
 	next = m.release(c, out)
 	m.mu.Unlock()
 	return next
+}
+
+func (m *Monitor) lockedRelease(c *call, out outcome) *call {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.release(c, out)
 }
 
 // release ends settled call c: the key of a dropped event, held until the

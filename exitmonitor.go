@@ -19,27 +19,21 @@ type ExitStatus interface {
 const UnknownExitCode = 255
 
 // WatchExit waits in its own goroutine for the exit on exitCh and hands m,
-// under key, the event built by event(code, exitedAt): with UnknownExitCode
-// and the monitor clock's now if Result fails or exitCh closes empty. The exit
-// needs no worker: on an idle key it is handled at once in the watcher's
-// goroutine, with the handle timeout; on a busy key (a call in progress,
-// events queued, or backoff), or in a held monitor (WithDeferredStart), it
-// joins the tail of the key's queue, so it never runs beside another call
-// for the key nor ahead of events accepted before it (an envelope the
-// stream reader holds at WithIntakeLimit is not accepted yet). A failure
-// backs it off like any event.
+// under key, the event built by event(code, exitedAt), with
+// UnknownExitCode and the monitor clock's now if Result fails or exitCh
+// closes empty. The exit needs no worker: on an idle key it is handled at
+// once in the watcher's goroutine, with the handle timeout; on a busy key
+// (a call in progress, events queued, backoff) or in a held monitor
+// (WithDeferredStart) it joins the key's queue, so it never runs beside
+// another call of its key nor ahead of events accepted before it. A
+// failure backs it off like any event.
 //
-// The returned channel is closed once the exit was queued, or refused and
-// its drop handed over, or handled in the watcher's goroutine and its
-// outcome reported; once ctx ended (an exit waiting as it ends may still be
-// taken, and handled) or Stop began while it waited. An exit handled in the
-// watcher's goroutine that Stop abandons closes it when its handler
-// returns (so does containerd's stopCh). An exit not yet queued when
-// Shutdown is called (arriving later, or still being read or built) is
-// dropped with ErrStopped, as is one a watcher reads once Stop began; a
-// watcher that saw Stop begin reads no more, so an exit sent then may stay
-// in exitCh (a WatchExit after Stop returns a closed channel). A nil ctx,
-// m, exitCh or event panics at once, not in the goroutine.
+// The returned channel is closed once the exit was queued, refused (its
+// drop handed over), or handled in the watcher's goroutine and reported;
+// or once ctx ended or Stop began while it waited. An exit arriving once
+// Shutdown was called is dropped with ErrStopped; one that arrives after
+// Stop began may stay unread in exitCh (a WatchExit after Stop returns a
+// closed channel). A nil ctx, m, exitCh or event panics at once.
 func WatchExit[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh <-chan S,
 	event func(code uint32, exitedAt time.Time) any) <-chan struct{} {
 	mustWatch(ctx, "WatchExit", m, exitCh == nil, event == nil)
@@ -66,26 +60,11 @@ func WatchExitResult[S ExitStatus](ctx context.Context, m *Monitor, key string, 
 	m.mu.Unlock()
 	go func() {
 		defer close(done)
-		var s S
-		// arrived: a value or exitCh's close was taken; received: a value.
-		arrived, received := false, false
-		if ctx.Err() == nil { // else the select might take an exit waiting beside it
-			select {
-			case <-ctx.Done():
-			case s, received = <-exitCh:
-				arrived = true
-			case <-m.stopping:
-				select { // an exit already there is accounted for: dropped, not lost
-				case s, received = <-exitCh:
-					arrived = true
-				default:
-				}
-			}
-		}
 		c := func() *call {
-			// Done before the call: Stop waits for calls, and abandons
-			// stuck ones. Deferred, as user code may end the goroutine.
+			// Done before the call, which Stop waits for itself (and abandons
+			// if stuck); deferred, in case a callback ends the goroutine.
 			defer m.watchers.Done()
+			s, received, arrived := waitExit(ctx, exitCh, m.stopping)
 			if !arrived {
 				return nil
 			}
@@ -96,6 +75,28 @@ func WatchExitResult[S ExitStatus](ctx context.Context, m *Monitor, key string, 
 		}
 	}()
 	return done
+}
+
+// waitExit waits for exitCh (arrived: a value, or its close), ctx or
+// stopping. An exit already waiting as Stop begins is taken, so that it is
+// dropped rather than lost; none is taken once ctx has ended.
+func waitExit[S any](ctx context.Context, exitCh <-chan S, stopping <-chan struct{}) (s S, received, arrived bool) {
+	if ctx.Err() != nil {
+		return s, false, false
+	}
+	select {
+	case <-ctx.Done():
+		return s, false, false
+	case s, received = <-exitCh:
+		return s, received, true
+	case <-stopping:
+		select {
+		case s, received = <-exitCh:
+			return s, received, true
+		default:
+			return s, false, false
+		}
+	}
 }
 
 func mustWatch(ctx context.Context, caller string, m *Monitor, noChannel, noBuilder bool) {
@@ -118,7 +119,6 @@ var ErrNoExitStatus = errors.New("eventmonitor: exit channel closed without a st
 var (
 	errExitStatusPanic  = errors.New("reading the exit status panicked")
 	errExitBuilderPanic = fmt.Errorf("%w: exit event builder panicked", ErrInvalidEvent)
-	errExitExited       = fmt.Errorf("%w: reading or building the exit ended the goroutine (runtime.Goexit)", ErrInvalidEvent)
 )
 
 // buildExit reads s and builds its event, turning a panic in either into
@@ -144,11 +144,9 @@ func (m *Monitor) buildExit(key string, s ExitStatus, received bool, build func(
 // to make at once, through a worker's call path but holding no slot.
 func (m *Monitor) queueExit(key string, s ExitStatus, received bool, build func(uint32, time.Time, error) any) *call {
 	m.beginAccepting()
-	defer m.endAccepting() // deferred: user code may end the goroutine
-	var it item
-	var err error
-	onGoexit(func() { it.event, err = m.buildExit(key, s, received, build) },
-		func() { m.dropUnaccepted(key, item{}, errExitExited) })
+	defer m.endAccepting()
+	event, err := m.buildExit(key, s, received, build)
+	it := item{event: event}
 	m.mu.Lock()
 	var k *keyq.Key[item]
 	if err == nil {

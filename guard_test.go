@@ -134,50 +134,6 @@ func TestGuardedDoesNotReturnFromAGoexit(t *testing.T) {
 	}
 }
 
-// The same through the monitor: a converter, Result or builder that
-// Goexits, with or without a defer panicking after the Goexit began (which
-// errOnPanic recovers, below onGoexit), is dropped once with the Goexit's
-// reason, not also with a panic's; Start reports its reader ended.
-func TestGoexitUnderGuardedIsDroppedOnce(t *testing.T) {
-	goexit := func(late bool) {
-		if late {
-			defer func() { panic("late") }()
-		}
-		runtime.Goexit()
-	}
-	for _, late := range []bool{false, true} {
-		t.Run(fmt.Sprintf("converter/latePanic=%v", late), func(t *testing.T) {
-			conv := ConverterFunc(func(typeurl.Any) (string, any, error) { goexit(late); return "", nil, nil })
-			h := newHarness(t, newRecorder(), WithConverter(conv), WithLogger(quietLogger()))
-			stream := newFakeStream()
-			h.m.Subscribe(stream)
-			errCh := h.m.Start()
-			(<-stream.newSub).send(t, envelope(t, "ns", wrapperspb.String("c1")))
-			err, open := startResult(t, errCh)
-			require.True(t, open)
-			assert.ErrorIs(t, err, errReaderExited)
-			assertOneDrop(t, h, errConverterExited, errConverterPanic)
-		})
-		for _, site := range []string{"Result", "builder"} {
-			t.Run(fmt.Sprintf("%s/latePanic=%v", site, late), func(t *testing.T) {
-				h := newHarness(t, newRecorder(), WithLogger(quietLogger()))
-				exitCh := make(chan ExitStatus, 1)
-				if site == "Result" {
-					exitCh <- lateGoexitStatus{late}
-				} else {
-					exitCh <- fakeExit{code: 1, at: epoch}
-				}
-				awaitClosed(t, WatchExitResult(context.Background(), h.m, "c1", exitCh, func(uint32, time.Time, error) any {
-					goexit(late)
-					return nil
-				}), "the watcher")
-				s := assertOneDrop(t, h, errExitExited, errExitBuilderPanic)
-				assert.Zero(t, s.Handled)
-			})
-		}
-	}
-}
-
 type lateGoexitStatus struct{ late bool }
 
 func (s lateGoexitStatus) Result() (uint32, time.Time, error) {
@@ -661,36 +617,6 @@ func TestPanickedNested(t *testing.T) {
 	}
 }
 
-// Under GODEBUG=panicnil=1 a panic value whose Error panics with nil is
-// still described: fmt's own recover (catchPanic) would take the nil panic
-// for none and print nothing, so panicked calls Error itself, and the
-// drop handler's panic line names the value.
-func TestPanickedNilUnderPanicNil(t *testing.T) {
-	inPanicNilChild(t, "TestPanickedNilUnderPanicNil", false, func(t *testing.T) (string, bool) {
-		var bad []string
-		for name, v := range map[string]any{
-			"Error panics nil":                  nilPanickingErr{},
-			"Error panics a value that does so": panicErr{nilPanickingErr{}},
-		} {
-			s := panicked(v)
-			if strings.TrimSpace(s) == "" || s == "%!v(PANIC=Error method: )" {
-				bad = append(bad, fmt.Sprintf("panicked(%s)=%q", name, s))
-			}
-		}
-		// Through the monitor: a drop handler panicking with such a value.
-		h := newHarness(t, HandlerFunc(func(context.Context, any) error { return errors.New("fails") }),
-			WithMaxAttempts(1), WithDropHandler(func(Drop) { panic(nilPanickingErr{}) }))
-		h.submit(t, ev{"a", 1})
-		h.settled(t)
-		for _, e := range h.logs.AllEntries() {
-			if strings.HasPrefix(e.Message, "drop handler panicked") && strings.HasSuffix(e.Message, ": ") {
-				bad = append(bad, fmt.Sprintf("logged %q", e.Message))
-			}
-		}
-		return strings.Join(bad, "; "), len(bad) == 0
-	})
-}
-
 // panicNilMetrics counts Dropped calls, and panics with nil in the first
 // if panicFirst.
 type panicNilMetrics struct {
@@ -744,57 +670,6 @@ func TestLogOnPanicPanicNilLogsOnceAndGoesOn(t *testing.T) {
 	})
 }
 
-// A drop handler or Metrics.Dropped that panics with a value whose Error
-// ends the goroutine ends the worker as a Goexit would: the call settles
-// once, its key and slot go on, no "panicked" line is logged, and Stats
-// balances. (Metrics ending the goroutine loses that drop's hand-over, as
-// documented.)
-func TestReportPanicValueGoexits(t *testing.T) {
-	for _, where := range []string{"drop handler", "Metrics"} {
-		for _, late := range []bool{false, true} {
-			t.Run(fmt.Sprintf("%s/late=%v", where, late), func(t *testing.T) {
-				var x exclusive
-				calls := atomic.Int32{}
-				opts := []Option{WithWorkers(1), WithMaxAttempts(1), WithDropHandler(func(d Drop) {
-					calls.Add(1)
-					if where == "drop handler" && d.Key == "a" && calls.Load() == 1 {
-						panic(goexitErr{late})
-					}
-				})}
-				if where == "Metrics" {
-					opts = append(opts, WithMetrics(goexitInDroppedMetrics{late}))
-				}
-				h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
-					defer x.enter(keyOf(e))()
-					if e == (ev{"a", 1}) {
-						return errors.New("fails")
-					}
-					return nil
-				}), opts...)
-				bad := slotCheck(h.m)
-				h.submit(t, ev{"a", 1}, ev{"b", 1}, ev{"c", 1})
-				h.settled(t)
-				s := h.m.Stats()
-				assert.Equal(t, uint64(1), s.Failed)
-				assert.Equal(t, uint64(1), s.Dropped)
-				assert.Equal(t, uint64(2), s.Handled)
-				want := int32(1)
-				if where == "Metrics" {
-					want = 0 // the goroutine ended before the drop handler: documented loss
-				}
-				assert.Equal(t, want, calls.Load())
-				assert.Zero(t, loggedLines(h, where+" panicked"))
-				assert.False(t, x.twice.Load())
-				assertNoSlotLeft(t, h.m, bad, s)
-				require.NoError(t, h.m.Submit("a", ev{"a", 2}), "the key was not released")
-				h.settled(t)
-				assert.Equal(t, uint64(3), h.m.Stats().Handled)
-				assertBalanced(t, h.m.Stats())
-			})
-		}
-	}
-}
-
 // goexitInDroppedMetrics panics in Dropped with a value whose Error Goexits.
 type goexitInDroppedMetrics struct{ late bool }
 
@@ -824,72 +699,6 @@ func TestHandlerErrorGoexits(t *testing.T) {
 			assert.Empty(t, bad())
 			assertBalanced(t, s)
 		})
-	}
-}
-
-// A converter whose error's Error Goexits (checked), or that panics with a
-// value whose Error Goexits (panicked in errOnPanic); a stream error whose
-// Error Goexits (checked in consume): the envelope, if taken, is dropped
-// once as a Goexit, and Start reports its reader ended.
-func TestStartsReaderGoexits(t *testing.T) {
-	for _, late := range []bool{false, true} {
-		for _, how := range []string{"converter error", "converter panic value", "stream error"} {
-			t.Run(fmt.Sprintf("%s/late=%v", how, late), func(t *testing.T) {
-				conv := ConverterFunc(func(typeurl.Any) (string, any, error) {
-					if how == "converter panic value" {
-						panic(goexitErr{late})
-					}
-					return "c1", ev{"c1", 1}, goexitErr{late}
-				})
-				h := newHarness(t, newRecorder(), WithConverter(conv))
-				stream := newFakeStream()
-				h.m.Subscribe(stream)
-				errCh := h.m.Start()
-				sub := <-stream.newSub
-				if how == "stream error" {
-					sub.errs <- goexitErr{late}
-				} else {
-					sub.send(t, envelope(t, "ns", wrapperspb.String("c1")))
-				}
-				err, open := startResult(t, errCh)
-				require.True(t, open)
-				assert.ErrorIs(t, err, errReaderExited)
-				if how == "stream error" {
-					h.settled(t)
-					s := assertDropsAccounted(t, h)
-					assert.Zero(t, s.Received)
-				} else {
-					assertOneDrop(t, h, errConverterExited, errConverterPanic)
-				}
-				assert.Zero(t, loggedLines(h, "converter panicked"))
-			})
-		}
-	}
-}
-
-// An exit status whose error's Error Goexits, or a builder panicking with
-// a value whose Error Goexits: the exit is dropped once as a Goexit.
-func TestExitReadingGoexits(t *testing.T) {
-	for _, late := range []bool{false, true} {
-		for _, how := range []string{"Result's error", "builder's panic value"} {
-			t.Run(fmt.Sprintf("%s/late=%v", how, late), func(t *testing.T) {
-				h := newHarness(t, newRecorder())
-				exitCh := make(chan ExitStatus, 1)
-				if how == "Result's error" {
-					exitCh <- fakeExit{code: 1, at: epoch, err: goexitErr{late}}
-				} else {
-					exitCh <- fakeExit{code: 1, at: epoch}
-				}
-				awaitClosed(t, WatchExitResult(context.Background(), h.m, "c1", exitCh, func(uint32, time.Time, error) any {
-					if how != "Result's error" {
-						panic(goexitErr{late})
-					}
-					return exitEvent{"c1", 1, epoch}
-				}), "the watcher")
-				s := assertOneDrop(t, h, errExitExited, errExitBuilderPanic)
-				assert.Zero(t, s.Handled)
-			})
-		}
 	}
 }
 

@@ -38,9 +38,6 @@ var (
 	errFiltered = errors.New("eventmonitor: envelope of another namespace")
 	// errConverterPanic drops an envelope whose conversion panicked.
 	errConverterPanic = fmt.Errorf("%w: converter panicked", ErrInvalidEvent)
-	// errConverterExited drops an envelope whose conversion (the converter,
-	// the payload, a log hook) ended the goroutine, as t.FailNow does.
-	errConverterExited = fmt.Errorf("%w: converting it ended the goroutine (runtime.Goexit)", ErrInvalidEvent)
 )
 
 // ingest converts env without mu, then accepts it. While WithIntakeLimit
@@ -56,15 +53,9 @@ func (m *Monitor) ingest(ctx context.Context, env *Envelope) {
 	if env != nil {
 		it.origin = &origin{env.Topic, env.Namespace}
 	}
-	var key, url string
-	var ignored bool
-	var err error
-	onGoexit(func() {
-		key, it.event, ignored, err = m.convert(env)
-		if ignored { // the payload's code: not under mu, nor unguarded
-			m.logOnPanic("the payload's GetTypeUrl", "", func() { url = env.Event.GetTypeUrl() })
-		}
-	}, func() { m.dropUnaccepted("", it, errConverterExited) }) // it.event is nil: convert did not return, or ignored it
+	key, event, url, err := m.convert(env)
+	it.event = event
+	ignored := errors.Is(err, ErrUnsupportedEvent)
 	m.mu.Lock()
 	var drops []Drop
 	switch {
@@ -108,37 +99,30 @@ func (m *Monitor) endAccepting() {
 	m.mu.Unlock()
 }
 
-// dropUnaccepted drops what a goroutine was accepting (an envelope, an
-// exit) when user code ended it (runtime.Goexit) before it was queued: it
-// is still accounted for.
-func (m *Monitor) dropUnaccepted(key string, it item, reason error) {
-	m.mu.Lock()
-	drops := m.refuse(key, it, reason)
-	m.mu.Unlock()
-	m.emit(drops...)
-}
-
-// convert filters env by namespace and runs the converter (ignored: its
-// error is ErrUnsupportedEvent), turning a panic (say, in a key function,
-// or in errors.Is) into ErrInvalidEvent, and any other error that wraps
-// neither ErrDecode nor ErrInvalidEvent into ErrDecode.
-func (m *Monitor) convert(env *Envelope) (key string, event any, ignored bool, err error) {
+// convert filters env by namespace and runs the converter, returning the
+// payload's type URL too if the converter does not key its type. A panic
+// (say, in a key function, or in errors.Is) becomes ErrInvalidEvent; any
+// other error that wraps none of ErrUnsupportedEvent, ErrDecode and
+// ErrInvalidEvent is wrapped in ErrDecode, and comes with no event.
+func (m *Monitor) convert(env *Envelope) (key string, event any, url string, err error) {
 	switch {
 	case env == nil:
-		return "", nil, false, fmt.Errorf("%w: nil envelope", ErrInvalidEvent)
+		return "", nil, "", fmt.Errorf("%w: nil envelope", ErrInvalidEvent)
 	case m.cfg.namespace != "" && env.Namespace != m.cfg.namespace:
-		return "", nil, false, errFiltered
+		return "", nil, "", errFiltered
 	case env.Event == nil:
-		return "", nil, false, fmt.Errorf("%w: nil payload", ErrInvalidEvent)
+		return "", nil, "", fmt.Errorf("%w: nil payload", ErrInvalidEvent)
 	}
 	err = errOnPanic(errConverterPanic, func() (err error) {
 		key, event, err = m.cfg.converter.Convert(env.Event)
 		err = checked(err)
-		ignored = errors.Is(err, ErrUnsupportedEvent)
 		switch {
 		case err == nil && event == nil:
 			err = fmt.Errorf("%w: converter returned a nil event", ErrInvalidEvent)
-		case err != nil && !ignored && !errors.Is(err, ErrDecode) && !errors.Is(err, ErrInvalidEvent):
+		case errors.Is(err, ErrUnsupportedEvent):
+			// Only for the log line: a panic in the payload's code here leaves it out.
+			recovering(func() { url = env.Event.GetTypeUrl() })
+		case err != nil && !errors.Is(err, ErrDecode) && !errors.Is(err, ErrInvalidEvent):
 			err = fmt.Errorf("%w: %w", ErrDecode, err) // a Drop's reason wraps a sentinel
 		}
 		return err
@@ -146,5 +130,5 @@ func (m *Monitor) convert(env *Envelope) (key string, event any, ignored bool, e
 	if err != nil {
 		event = nil // not an event, whatever came beside the error: its Drop holds none
 	}
-	return key, event, ignored, err
+	return key, event, url, err
 }

@@ -17,23 +17,23 @@ import (
 // than kept in memory.
 const MaxKeyLength = 4096
 
-// lifecycle is the monitor's state; New, releaseHold and stop.go change it.
+// lifecycle is the monitor's state: New, releaseHold, Shutdown and
+// beginStop move it forward, never back.
 type lifecycle uint8
 
 const (
-	held     lifecycle = iota // WithDeferredStart: accepts, handles nothing, replays nothing
+	held     lifecycle = iota // WithDeferredStart: accepts, handles and replays nothing
 	running                   // accepts and handles
 	draining                  // Shutdown: accepts nothing, handles what it holds
-	stopped                   // Stop began: accepts nothing, takes no key (a call taken before still runs, cancelled)
+	stopped                   // Stop began: accepts nothing, takes no key
 )
 
 func (s lifecycle) accepts() bool { return s == held || s == running }
 func (s lifecycle) handles() bool { return s == running || s == draining }
 
-// intakeEnded reports whether Shutdown or Stop was called. It turns true
-// before the state changes; in between, accept still takes envelopes the
-// stream reader holds, and Shutdown waits for the reader to notice. mu
-// need not be held.
+// intakeEnded reports whether Shutdown or Stop was called: from then on
+// only the stream reader's envelope in hand is accepted, until the drain
+// begins. mu need not be held.
 func (m *Monitor) intakeEnded() bool { return m.intake.Err() != nil }
 
 // releaseHold ends WithDeferredStart's hold. mu is held.
@@ -50,32 +50,30 @@ func (m *Monitor) releaseHold() {
 type Monitor struct {
 	cfg     config
 	handler Handler
-	base    context.Context // parent of every handler context: carries the logger
+	base    context.Context // parent of every handler's ctx: carries the logger
 
-	// mu guards the fields from cond to abandonedDrops; every change that
-	// can start work or unblock a waiter ends in reconcile, which also
-	// wakes all who wait on cond.
-	mu     sync.Mutex
-	cond   sync.Cond
-	state  lifecycle
-	atStop atStop // what was left as the stop began, for Shutdown and WaitIdle
-	keys   *keyq.Set[item]
-	calls  []*call // in progress or being settled, in start order
-	stats  Stats   // counters; the gauges are derived in Stats
-	sched  schedulerState
-	stream streamState
-	// accepting: envelopes and exits received, not yet queued or dropped.
-	accepting int
-	// abandonedDrops: a Drop for each call Stop gave up on, for it to hand
-	// over; kept, for Shutdown to count them.
+	// mu guards the fields from cond to abandonedDrops. Every change ends
+	// in reconcile, which also wakes whoever waits on cond.
+	mu        sync.Mutex
+	cond      sync.Cond
+	state     lifecycle
+	atStop    atStop // what the stop found, for Shutdown and WaitIdle
+	keys      *keyq.Set[item]
+	calls     []*call // in progress or being settled, in start order
+	stats     Stats   // the counters; Stats derives the gauges
+	sched     schedulerState
+	stream    streamState
+	accepting int // envelopes and exits taken in, not yet queued or dropped
+	// abandonedDrops: a Drop for each call a stop gave up on, kept for
+	// Shutdown to count.
 	abandonedDrops []Drop
 
-	intake    context.Context // ends when Shutdown or Stop begins
+	intake    context.Context // ends when Shutdown or Stop is called
 	endIntake context.CancelFunc
 	watchers  sync.WaitGroup // the scheduler, Start's reader, exit watchers while they wait
 	stopping  chan struct{}  // closed when Stop begins
-	lifetime  chan error     // what a bare Start returns: closed when Stop is done
-	stopOnce  sync.Once      // runs finishStop
+	lifetime  chan error     // a bare Start's channel: closed when Stop is done
+	stopOnce  sync.Once
 }
 
 // item is one accepted event in its key's queue; what only some need is
@@ -150,12 +148,11 @@ func New(h Handler, opts ...Option) (*Monitor, error) {
 	return m, nil
 }
 
-// reconcile runs after every change, under mu, and restores what must
-// hold between changes: no backoff queue waits past its due time while
-// running (none waits at all while draining), no overran call holds a
-// slot that a new worker could use (up to WithMaxOverruns), no slot is
-// free while a key is ready, the timer is set for what is due next, and
-// whoever waits on cond has looked again.
+// reconcile runs after every change, under mu, and restores what must hold
+// between changes: no backoff queue is past its due time while running (and
+// none waits while draining); overran calls have given their slots to new
+// workers, up to WithMaxOverruns; no slot is free while a key is ready; the
+// timer is set for what is due next; and whoever waits on cond looks again.
 func (m *Monitor) reconcile() {
 	for k := m.keys.Earliest(); k != nil && m.replayDue(k); k = m.keys.Earliest() {
 		m.keys.Replay(k)
@@ -185,9 +182,9 @@ func (m *Monitor) replayDue(k *keyq.Key[item]) bool {
 }
 
 // Submit hands the monitor an event that did not come from its stream (a
-// relist, an exit). Once accepted (nil error) it is handled, ignored,
-// forgotten or dropped, and in Stats' gauges until then; refused, the
-// caller keeps it: ErrStopped once Shutdown or Stop began, ErrQueueFull,
+// relist, an exit). Accepted (nil error), it is handled, ignored, forgotten
+// or dropped, and in Stats' gauges until then. Refused, the caller keeps
+// it: ErrStopped once Shutdown or Stop was called, ErrQueueFull,
 // ErrInvalidEvent.
 func (m *Monitor) Submit(key string, event any) error {
 	m.mu.Lock()
@@ -201,8 +198,8 @@ func (m *Monitor) Submit(key string, event any) error {
 
 // Backoff puts event straight into key's backoff queue, behind what the key
 // already holds. A key not yet in backoff waits the initial delay from now,
-// and so does one replaying, though not before its replay is done. An event
-// the monitor cannot take (stopped, full, invalid) goes to the drop handler.
+// and so does one replaying, once its replay is done. An event the monitor
+// cannot take (stopped, full, invalid) goes to the drop handler.
 func (m *Monitor) Backoff(key string, event any) {
 	it := item{event: event}
 	m.mu.Lock()
@@ -224,9 +221,9 @@ const (
 	streamed                // an envelope the stream reader took
 )
 
-// accept validates an event and queues it; once Shutdown or Stop was
-// called, only an envelope the stream reader holds (see intakeEnded), and
-// only until the drain begins. mu is held.
+// accept validates an event and queues it. Once Shutdown or Stop was
+// called it takes only the stream reader's envelope, and only until the
+// drain begins. mu is held.
 func (m *Monitor) accept(key string, it item, from source) (*keyq.Key[item], error) {
 	switch {
 	case !m.state.accepts(), from != streamed && m.intakeEnded():
@@ -262,8 +259,8 @@ func (m *Monitor) InBackoff(key string) bool {
 
 // Forget removes and returns, in order, every event of key not yet started
 // (in backoff or waiting for a worker), for when the object behind key is
-// gone. A call in progress goes on. If it is a replay's, the key stays in
-// backoff until it ends; if it fails, its event backs off as usual.
+// gone. A call in progress goes on; if it is a replay's, the key stays in
+// backoff until it ends, and if it fails, its event backs off as usual.
 func (m *Monitor) Forget(key string) []any {
 	m.mu.Lock()
 	defer m.mu.Unlock()

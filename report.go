@@ -7,12 +7,11 @@ import (
 	"github.com/containerd/log"
 )
 
-// Metrics receives what Stats cannot hold: durations and drops by reason.
-// Counters and gauges are read from Stats at scrape time (see the prometheus
-// module), costing nothing on the event path. Methods run on the monitor's
-// goroutines without its lock, so must be concurrency-safe and quick, and
-// must not call WaitIdle, Stop or Shutdown, which wait for them. Unset,
-// Metrics costs a nil check.
+// Metrics receives what Stats cannot hold: durations and drops by reason
+// (counters and gauges are read from Stats at scrape time; see the
+// prometheus module). Its methods run on the monitor's goroutines without
+// its lock: they must be safe for concurrent use, quick, and must not call
+// WaitIdle, Stop or Shutdown, which wait for them.
 type Metrics interface {
 	// HandlerDone reports each handler call's duration and error (nil on
 	// success), but for calls Stop abandoned: their events are dropped.
@@ -24,8 +23,8 @@ type Metrics interface {
 	Dropped(reason error, events int)
 }
 
-// outcome is what settle leaves for report to do once mu is released;
-// zero for a call handled or ignored.
+// outcome is what settle leaves report to do once mu is released; zero
+// for a call handled or ignored.
 type outcome struct {
 	failed error         // the handler's error; nil if the event did not fail
 	delay  time.Duration // the backoff the event now waits
@@ -33,8 +32,8 @@ type outcome struct {
 }
 
 // report gives a settled call's duration to the metrics, logs its overrun
-// or failure and hands its drop over, without the lock. A failing key calls
-// once per delay: it cannot flood the log.
+// or failure and hands its drop over, without mu. A failing key fails once
+// per delay, so it cannot flood the log.
 func (m *Monitor) report(c *call, err error, end time.Time, out outcome, wasOverrun bool) {
 	if mt := m.cfg.metrics; mt != nil {
 		m.logOnPanic("Metrics", c.key.Name(), func() {
@@ -75,14 +74,14 @@ func (m *Monitor) logRetry(c *call) {
 	entry.Info("retrying backed-off events")
 }
 
-// logOnce remembers what was logged, up to maxLoggedOnce kinds, so that a
-// kind of event nobody handles is logged once rather than per event.
+// logOnce remembers up to maxLoggedOnce kinds of event nobody handles, so
+// that each is logged once rather than per event.
 type logOnce[K comparable] struct {
 	mu     sync.Mutex
 	logged map[K]bool
 }
 
-// maxLoggedOnce bounds what a logOnce remembers: past it, nothing new is logged.
+// maxLoggedOnce bounds a logOnce: past it, nothing new is logged.
 const maxLoggedOnce = 256
 
 // first reports whether k is seen for the first time, and remembers it.

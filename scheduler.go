@@ -8,22 +8,21 @@ import (
 	"k8s.io/utils/clock"
 )
 
-// The scheduler wakes when a backoff queue is due (reconcile replays it)
-// and ends the ctx of calls at their deadline. Whoever changes what is due
-// sets its one timer, under mu, for the earliest of the two (retime, from
-// reconcile); only a fake clock's quirks make the pass and WaitIdle set it
-// again for the same time (see arm). One goroutine, started with the first
-// thing to time and ended by Stop, waits on it. An idle monitor holds no
-// timer.
+// The scheduler times two things: backoff queues coming due (reconcile
+// replays them) and calls reaching their deadline (expire ends their ctx)
+// or overrunning it. One clock timer is set for the earliest, under mu, by
+// whoever changes what is due (retime, from reconcile). One goroutine,
+// started with the first timer and ended by Stop, runs a pass each time it
+// fires. An idle monitor holds no timer.
 
 // schedulerState is guarded by Monitor.mu.
 type schedulerState struct {
 	timer clock.Timer   // nil until there is something to time
 	at    time.Time     // when timer fires; zero: stopped. Never later than wakeAt
-	wake  chan struct{} // makes the scheduler look now
+	wake  chan struct{} // makes the scheduler run a pass now
 }
 
-// wakeAt is when the scheduler must look next (zero: never). mu is held.
+// wakeAt is when the scheduler must run next (zero: never). mu is held.
 func (m *Monitor) wakeAt() (at time.Time) {
 	earlier := func(t time.Time) {
 		if at.IsZero() || t.Before(at) {
@@ -47,14 +46,14 @@ func (m *Monitor) wakeAt() (at time.Time) {
 
 // overrunAt is when a call past its deadline counts as stuck. The grace
 // spares a handler whose own equal timeout started a moment after ours
-// (containerd's keep one), and still finds a stuck call within a second.
+// (containerd's are 10 s too), and still finds a stuck call within a second.
 func (m *Monitor) overrunAt(c *call) time.Time {
 	return c.deadline.Add(min(time.Second, m.cfg.handleTimeout/10))
 }
 
-// retime keeps the timer set no later than wakeAt, and stopped when there
-// is nothing to time. A timer earlier than needed is left: it fires early
-// and the pass sets it again. mu is held.
+// retime keeps the timer set no later than wakeAt, and stopped when there is
+// nothing to time. A timer set earlier than needed is left: its pass sets
+// it again. mu is held.
 func (m *Monitor) retime() {
 	at, s := m.wakeAt(), &m.sched
 	switch {
@@ -68,18 +67,14 @@ func (m *Monitor) retime() {
 }
 
 // arm sets the timer for at, starting the scheduler with the first timer.
-// mu is held. Its care is for fake clocks:
-//   - Reset moves the timer in place: a Stop first would show a test no
-//     timer for a moment while a key waits.
-//   - A fire that Reset finds unread is discarded, as a fake clock's Step
-//     blocks on a second, and the scheduler is poked: it may be this
-//     setting's. So it is for a time already passed, which a fake timer
-//     fires for only at the clock's next Step.
-//   - A duration counts from the clock's time when the timer is set, so a
-//     Step between Now and Reset makes it late: it is set again while the
-//     clock moved a microsecond or more (a real clock's nanoseconds are
-//     near enough), up to armTries times. A test still racing it sees the
-//     retry at its next Step, or at WaitIdle, which sets the timer right.
+// mu is held. Its care is for fake clocks, where a fire not read blocks
+// the next Step, a timer set for a time passed fires only at the next Step,
+// and a Step between reading the time and setting the timer leaves it late:
+//   - Reset moves the timer in place (a test sees a timer all along);
+//   - a fire Reset finds unread is discarded, and the scheduler poked: it
+//     may have been this setting's; so is it for a time already passed;
+//   - the timer is set again while the clock moved by a microsecond or
+//     more meanwhile, up to armTries times (WaitIdle sets it right after).
 func (m *Monitor) arm(at time.Time) {
 	s := &m.sched
 	var now time.Time
@@ -105,10 +100,8 @@ func (m *Monitor) arm(at time.Time) {
 
 const armTries = 4
 
-// overdue reports whether the timer is set for now or earlier: it fired
-// and the pass is yet to run, or a fake clock passed it unseen. The timer
-// is never later than what it times, so one not overdue leaves nothing
-// due. mu is held.
+// overdue reports whether the timer is set for now or earlier: it fired and
+// its pass is yet to run, or a fake clock passed it unseen. mu is held.
 func (s *schedulerState) overdue(now time.Time) bool {
 	return !s.at.IsZero() && !s.at.After(now)
 }
@@ -121,9 +114,8 @@ func (s *schedulerState) disarm() {
 	}
 }
 
-// discardFire takes a fire not yet read, reporting whether there was one:
-// a fake clock's timer holds one in its channel, and its Step blocks on a
-// second. mu is held.
+// discardFire takes a fire not yet read, reporting whether there was one.
+// mu is held.
 func (s *schedulerState) discardFire() bool {
 	select {
 	case <-s.timer.C():
@@ -133,7 +125,7 @@ func (s *schedulerState) discardFire() bool {
 	}
 }
 
-// poke makes the scheduler look now.
+// poke makes the scheduler run a pass now.
 func (m *Monitor) poke() {
 	select {
 	case m.sched.wake <- struct{}{}:
@@ -141,8 +133,8 @@ func (m *Monitor) poke() {
 	}
 }
 
-// schedule is the scheduler's goroutine: a pass each time the timer fires
-// or it is poked, until Stop left nothing to time.
+// schedule is the scheduler's goroutine: a pass each time the timer fires or
+// it is poked, until Stop left nothing to time.
 func (m *Monitor) schedule(fired <-chan time.Time) {
 	defer m.watchers.Done()
 	for {
@@ -155,47 +147,25 @@ func (m *Monitor) schedule(fired <-chan time.Time) {
 		m.mu.Lock()
 		now := m.cfg.clock.Now()
 		stuck := m.expire(now)
-		// Due: clear the timer for reconcile to set. Fired but not due (the
-		// clock set back since, or a fire from before its last setting): set
-		// it again for its time, in place if it is pending. A poke alone
-		// leaves a correct timer be.
 		switch {
-		case m.sched.overdue(now):
+		case m.sched.overdue(now): // due: reconcile sets the timer anew
 			m.sched.disarm()
-		case timerFired && !m.sched.at.IsZero():
+		case timerFired && !m.sched.at.IsZero(): // a stale fire, or the clock went back
 			m.arm(m.sched.at)
 		}
 		m.reconcile() // gives stuck calls' slots to new workers
-		overruns := m.overruns(stuck, now)
-		done := m.state == stopped && len(m.calls) == 0 // nothing is left to time
+		lines := m.overruns(stuck, now)
+		done := m.state == stopped && len(m.calls) == 0
 		m.mu.Unlock()
-		m.logOverruns(overruns)
+		m.logOverruns(lines)
 		if done {
 			return
 		}
 	}
 }
 
-// logOverruns logs what expire found, without mu: a log hook is user code.
-func (m *Monitor) logOverruns(overruns []overrun) {
-	for _, o := range overruns {
-		entry := m.cfg.logger.WithFields(o.fields)
-		entry.Warn("event handler overran its timeout; its key stays held until it returns or Stop abandons it")
-		if o.limited {
-			entry.WithField("limit", m.cfg.maxOverruns).
-				Error("too many handler calls overrunning their timeout (WithMaxOverruns): this one keeps its worker until a replaced call returns")
-		}
-	}
-}
-
-// overrun is the log line of a call newly past its deadline and grace.
-type overrun struct {
-	fields  log.Fields
-	limited bool // WithMaxOverruns was reached: it keeps its worker
-}
-
-// expire ends the context of calls past their deadline and, after the
-// grace, marks them overran, returning those newly so. mu is held.
+// expire ends the ctx of calls past their deadline and, after the grace,
+// marks them overran, returning those newly so. mu is held.
 func (m *Monitor) expire(now time.Time) (stuck []*call) {
 	for _, c := range m.calls {
 		if c.deadline.IsZero() || now.Before(c.deadline) || !c.runningIn(inTime, late) {
@@ -205,7 +175,7 @@ func (m *Monitor) expire(now time.Time) (stuck []*call) {
 			c.stage = late
 			c.cancel(context.DeadlineExceeded)
 		}
-		if c.stage == late && !now.Before(m.overrunAt(c)) {
+		if !now.Before(m.overrunAt(c)) {
 			c.stage = overran
 			stuck = append(stuck, c)
 		}
@@ -213,24 +183,9 @@ func (m *Monitor) expire(now time.Time) (stuck []*call) {
 	return stuck
 }
 
-// overruns are the log lines of the calls expire found stuck, once
-// reconcile gave away what slots it may. mu is held.
-func (m *Monitor) overruns(stuck []*call, now time.Time) (lines []overrun) {
-	// At Stop no slot is given away, so no limit was reached. With
-	// WithMaxOverruns(0) a call keeping its worker is the user's choice,
-	// not a limit reached: the warning says enough.
-	limitReached := m.state != stopped && m.cfg.maxOverruns > 0
-	for _, c := range stuck {
-		lines = append(lines, overrun{limited: limitReached && c.slot == ownSlot, fields: log.Fields{
-			"key": c.key.Name(), "running": now.Sub(c.start), "replaced": c.slot == gaveSlot}})
-	}
-	return lines
-}
-
-// replaceStuck gives the worker slots of overran calls to new workers, so
-// that n keys keep moving with WithWorkers(n), while fewer than
-// WithMaxOverruns calls are replaced: each costs a goroutine until it
-// returns. mu is held.
+// replaceStuck gives the slots of overran calls to new workers, so that n
+// keys keep moving with WithWorkers(n), while fewer than WithMaxOverruns
+// calls are replaced: each costs a goroutine until it returns. mu is held.
 func (m *Monitor) replaceStuck() {
 	if m.state == stopped {
 		return // no call starts: a slot is worth nothing
@@ -245,6 +200,37 @@ func (m *Monitor) replaceStuck() {
 		if c.stage == overran && c.slot == ownSlot && replaced < m.cfg.maxOverruns {
 			c.slot = gaveSlot
 			replaced++
+		}
+	}
+}
+
+// overrun is the log line of a call newly stuck.
+type overrun struct {
+	fields  log.Fields
+	limited bool // WithMaxOverruns was reached: it keeps its worker
+}
+
+// overruns are the log lines of the calls expire found stuck, once reconcile
+// gave away what slots it may. mu is held.
+func (m *Monitor) overruns(stuck []*call, now time.Time) (lines []overrun) {
+	// No slot is given away at Stop, and with WithMaxOverruns(0) keeping
+	// the worker is the user's choice: no limit was reached.
+	limitReached := m.state != stopped && m.cfg.maxOverruns > 0
+	for _, c := range stuck {
+		lines = append(lines, overrun{limited: limitReached && c.slot == ownSlot, fields: log.Fields{
+			"key": c.key.Name(), "running": now.Sub(c.start), "replaced": c.slot == gaveSlot}})
+	}
+	return lines
+}
+
+// logOverruns logs overruns' lines without mu: a log hook is user code.
+func (m *Monitor) logOverruns(lines []overrun) {
+	for _, o := range lines {
+		entry := m.cfg.logger.WithFields(o.fields)
+		entry.Warn("event handler overran its timeout; its key stays held until it returns or Stop abandons it")
+		if o.limited {
+			entry.WithField("limit", m.cfg.maxOverruns).
+				Error("too many handler calls overrunning their timeout (WithMaxOverruns): this one keeps its worker until a replaced call returns")
 		}
 	}
 }

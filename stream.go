@@ -94,27 +94,24 @@ func (m *Monitor) Start() <-chan error {
 	go func() {
 		defer m.watchers.Done()
 		defer close(errCh)
-		var err error
-		onGoexit(func() { _, err = m.consume(m.intake, sub, nil) },
-			func() { m.endStart(sub, errCh, errReaderExited) })
-		m.endStart(sub, errCh, err)
+		if err := m.readSubscribed(sub); err != nil && !m.intakeEnded() {
+			errCh <- err
+			m.cfg.logger.WithError(err).Error("event stream failed")
+		}
 	}()
 	return errCh
 }
 
-// endStart ends Start's reading of sub, reporting err unless intake ended.
-func (m *Monitor) endStart(sub *subscription, errCh chan<- error, err error) {
-	sub.cancel()
-	m.setReader(noReader) // before reporting: whoever reads errCh may Run or Start at once
-	if err != nil && !m.intakeEnded() {
-		errCh <- err // before the log line, whose hook may end the goroutine too
-		m.cfg.logger.WithError(err).Error("event stream failed")
-	}
+// readSubscribed is Start's reading of sub. It frees the reader's place
+// before Start reports (whoever reads its channel may Run or Start at once),
+// deferred so that a callback ending the goroutine (runtime.Goexit) frees
+// it too.
+func (m *Monitor) readSubscribed(sub *subscription) error {
+	defer m.setReader(noReader)
+	defer sub.cancel()
+	_, err := m.consume(m.intake, sub, nil)
+	return err
 }
-
-// errReaderExited is what Start's channel reports if user code on its
-// reader's goroutine (a converter, drop handler, log hook) ended it.
-var errReaderExited = fmt.Errorf("%w: user code ended the stream reader (runtime.Goexit)", ErrStreamClosed)
 
 // beginReading takes the one stream reader's place, for a Run or Start,
 // reporting whether a stream was read before: what was published since
