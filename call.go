@@ -129,20 +129,24 @@ func (m *Monitor) work(c *call) {
 
 // handle makes call c and returns the next call for its slot (see release).
 func (m *Monitor) handle(c *call) (next *call) {
-	if c.replayStart {
-		m.logRetry(c) // before the CAS: Stop may still withdraw a call held up here
-	}
-	if !c.progress.CompareAndSwap(notBegun, invoked) {
-		return nil // Stop withdrew it before it began, and accounted for it
-	}
 	exited := true
 	defer func() {
-		if exited { // runtime.Goexit in the handler: settle anyway; a new goroutine takes the slot on
+		// runtime.Goexit in the handler or the retry line's log hook: the
+		// call still settles (unless Stop withdrew it, or it had settled),
+		// and a new goroutine takes its slot on.
+		if exited && (c.progress.Load() == invoked || c.progress.CompareAndSwap(notBegun, invoked)) {
 			if next := m.finish(c, false, errHandlerExited); next != nil {
 				go m.work(next)
 			}
 		}
 	}()
+	if c.replayStart {
+		m.logRetry(c) // before the CAS: Stop may still withdraw a call held up here
+	}
+	if !c.progress.CompareAndSwap(notBegun, invoked) {
+		exited = false
+		return nil // Stop withdrew it before it began, and accounted for it
+	}
 	ignored, err := m.invoke(c)
 	exited = false
 	return m.finish(c, ignored, err)

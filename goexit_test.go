@@ -20,6 +20,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/types/known/wrapperspb"
+	testclock "k8s.io/utils/clock/testing"
 )
 
 // runtime.Goexit (what t.FailNow and require do in a test's callback) in
@@ -531,4 +532,276 @@ func (h *countingGoexitHook) Fire(e *logrus.Entry) error {
 		runtime.Goexit()
 	}
 	return nil
+}
+
+// A drop handler that ends its goroutine ends the worker while the call is
+// reported: the call is still released, its slot goes on, and WaitIdle and
+// Stop return.
+func TestGoexitInTheDropHandlerDoesNotHangStop(t *testing.T) {
+	r := newRecorder()
+	r.fail(ev{"a", 1}, 1)
+	h := newHarness(t, r, WithLogger(quietLogger()), WithMaxAttempts(1),
+		WithDropHandler(func(Drop) { runtime.Goexit() }))
+	h.submit(t, ev{"a", 1}, ev{"b", 1})
+	h.settled(t)
+	stopped := make(chan struct{})
+	go func() { h.m.Stop(); close(stopped) }()
+	waitFor(t, h.stopping, "Stop never began")
+	h.clock.Step(time.Minute) // past any handle timeout and grace: no help
+	select {
+	case <-stopped:
+	case <-time.After(3 * time.Second):
+		t.Fatalf("Stop hung past the handle timeout: %+v", h.m.Stats())
+	}
+}
+
+// Goexit in the report phase of every call (the drop handler of each
+// given-up event) on two slots, with Submits and Stats concurrent: the
+// identity holds in every snapshot, no slot is lost or doubled, and every
+// event settles.
+func TestReportGoexitStormKeepsIdentity(t *testing.T) {
+	var x exclusive
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		defer x.enter(keyOf(e))()
+		if asEv(e).Seq%2 == 0 {
+			return errors.New("fails")
+		}
+		return nil
+	}), WithLogger(quietLogger()), WithWorkers(2), WithMaxAttempts(1), WithMetrics(&goexitEveryOtherSuccess{}),
+		WithDropHandler(func(Drop) { runtime.Goexit() }))
+	bad := slotCheck(h.m)
+	checked := checkWhileRunning(t, h.m, bad)
+	const keys, per = 8, 6
+	for i := range per {
+		for k := range keys {
+			h.submit(t, ev{fmt.Sprintf("k%d", k), i})
+		}
+	}
+	h.settled(t)
+	checked()
+	s := h.m.Stats()
+	assert.Equal(t, uint64(keys*per/2), s.Handled)
+	assert.Equal(t, uint64(keys*per/2), s.Dropped)
+	assert.False(t, x.twice.Load())
+	assertNoSlotLeft(t, h.m, bad, s)
+}
+
+// Nested exits: the handler Goexits, and during handle's rest (finish's
+// report) the drop handler Goexits too. The call settles once, is released
+// once, its slot goes on, and WaitIdle and Stop return.
+func TestNestedGoexitHandlerThenItsReport(t *testing.T) {
+	for _, where := range []string{"drop handler", "Metrics", "log line"} {
+		t.Run(where, func(t *testing.T) {
+			var x exclusive
+			handler := HandlerFunc(func(ctx context.Context, e any) error {
+				defer x.enter(keyOf(e))()
+				if e == (ev{"a", 1}) {
+					runtime.Goexit()
+				}
+				return nil
+			})
+			lg := quietLogger()
+			var hook *endHook
+			opts := []Option{WithWorkers(1), WithMaxAttempts(1)}
+			switch where {
+			case "drop handler":
+				opts = append(opts, WithDropHandler(func(d Drop) {
+					if d.Key == "a" {
+						runtime.Goexit()
+					}
+				}))
+			case "Metrics":
+				opts = append(opts, WithMetrics(goexitMetrics{}))
+			case "log line":
+				lg, hook = endingLogger("giving up on event", runtime.Goexit)
+			}
+			h := newHarness(t, handler, append(opts, WithLogger(lg))...)
+			bad := slotCheck(h.m)
+			h.submit(t, ev{"a", 1}, ev{"b", 1}, ev{"c", 1})
+			h.settled(t)
+			if hook != nil {
+				assert.True(t, hook.fired.Load())
+			}
+			s := h.m.Stats()
+			assert.Equal(t, uint64(1), s.Failed)
+			assert.Equal(t, uint64(1), s.Dropped)
+			assert.Equal(t, uint64(2), s.Handled, "b and c got the slot")
+			assert.False(t, x.twice.Load())
+			assertNoSlotLeft(t, h.m, bad, s)
+			require.NoError(t, h.m.Submit("a", ev{"a", 2}), "the key was not released")
+			h.settled(t)
+			assert.Equal(t, uint64(3), h.m.Stats().Handled)
+			stopped := make(chan struct{})
+			go func() { h.m.Stop(); close(stopped) }()
+			awaitClosed(t, stopped, "Stop")
+		})
+	}
+}
+
+// A log hook that Goexits (t.FailNow on an error line) on the handler's
+// panic line, inside invoke's recover: the call settles once.
+func TestGoexitInThePanicLogLine(t *testing.T) {
+	lg, hook := endingLogger("event handler panicked", runtime.Goexit)
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		if e == (ev{"a", 1}) {
+			panic("boom")
+		}
+		return nil
+	}), WithLogger(lg), WithWorkers(1))
+	bad := slotCheck(h.m)
+	h.submit(t, ev{"a", 1}, ev{"b", 1})
+	h.settled(t)
+	assert.True(t, hook.fired.Load())
+	s := h.m.Stats()
+	assert.Equal(t, uint64(1), s.Failed)
+	assert.Equal(t, uint64(1), s.Handled)
+	assert.Equal(t, 1, s.EventsInBackoff)
+	assert.Empty(t, bad())
+	assertBalanced(t, s)
+}
+
+// A nil panic (GODEBUG=panicnil=1) in the report phase's log line, which
+// recover returns as nil as it does in a Goexit, is not taken for one: the
+// call is not released twice (two slots held with WithWorkers(1)).
+func TestPanicNilInAReportIsNotTakenForAGoexit(t *testing.T) {
+	inPanicNilChild(t, "TestPanicNilInAReportIsNotTakenForAGoexit", true, func(t *testing.T) (string, bool) {
+		lg, hook := endingLogger("event handling failed; backing off", func() { panic(nil) })
+		block, aGo := make(chan struct{}), make(chan struct{})
+		started := atomic.Int32{}
+		h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+			if e == (ev{"a", 1}) {
+				<-aGo // b/1 and c/1 are queued
+				return errors.New("fails")
+			}
+			started.Add(1)
+			<-block
+			return nil
+		}), WithLogger(lg), WithWorkers(1))
+		t.Cleanup(func() { close(block) })
+		h.submit(t, ev{"a", 1}, ev{"b", 1}, ev{"c", 1})
+		close(aGo)
+		waitFor(t, hook.fired.Load, "the report's log line was never logged")
+		waitFor(t, func() bool { return started.Load() >= 1 }, "no next call started")
+		// a/1's worker is done once nothing runs finish or release.
+		waitFor(t, func() bool {
+			return goroutinesIn("eventmonitor.(*Monitor).finish") == 0 && goroutinesIn("eventmonitor.(*Monitor).release") == 0
+		}, "a/1's worker never left")
+		h.m.mu.Lock()
+		held := h.m.slotsHeld()
+		h.m.mu.Unlock()
+		return fmt.Sprintf("slotsHeld=%d with WithWorkers(1)", held), held <= 1
+	})
+}
+
+// A nil panic (GODEBUG=panicnil=1) in invoke's "event handler panicked"
+// line escapes invoke and is not taken for a Goexit: the call is not
+// settled twice (failed, then handled, the Stats identity broken).
+func TestPanicNilInThePanicLogLineIsNotTakenForAGoexit(t *testing.T) {
+	inPanicNilChild(t, "TestPanicNilInThePanicLogLineIsNotTakenForAGoexit", true, func(t *testing.T) (string, bool) {
+		lg, hook := endingLogger("event handler panicked", func() { panic(nil) })
+		h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+			if e == (ev{"a", 1}) {
+				panic("boom")
+			}
+			return nil
+		}), WithLogger(lg), WithWorkers(1))
+		h.submit(t, ev{"a", 1})
+		waitFor(t, hook.fired.Load, "the panic line was never logged")
+		h.settled(t)
+		s := h.m.Stats()
+		return fmt.Sprintf("%+v", s), s.Handled == 0 && s.Failed == 1 && accounted(s) == s.Received
+	})
+}
+
+// A converter Goexit on Run's second subscription, while the resync hook
+// it started still runs: Run's place is free only once its hook returned,
+// so the next Run's hook never runs beside it.
+func TestGoexitInRunWaitsForItsResyncHook(t *testing.T) {
+	hookRelease, exiting := make(chan struct{}), make(chan struct{})
+	var running, most atomic.Int32
+	hooked := make(chan struct{}, 4)
+	hook := func(ctx context.Context) error {
+		n := running.Add(1)
+		defer running.Add(-1)
+		for m := most.Load(); n > m && !most.CompareAndSwap(m, n); m = most.Load() {
+		}
+		hooked <- struct{}{}
+		<-hookRelease // a relist that does not watch ctx
+		return nil
+	}
+	conv := ConverterFunc(func(p typeurl.Any) (string, any, error) {
+		key, event, err := testConverter.Convert(p)
+		if v, ok := event.(*wrapperspb.StringValue); ok && v.GetValue() == "exit" {
+			<-hooked // the hook this subscription started runs
+			close(exiting)
+			runtime.Goexit()
+		}
+		return key, event, err
+	})
+	clk := testclock.NewFakeClock(epoch)
+	m, err := New(newRecorder(), WithClock(clk), WithConverter(conv), WithResync(hook), WithLogger(quietLogger()))
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	ran1 := make(chan struct{})
+	var ran2 chan struct{}
+	t.Cleanup(func() {
+		cancel()
+		close(hookRelease)
+		awaitClosed(t, ran1, "the first Run")
+		if ran2 != nil {
+			awaitClosed(t, ran2, "the second Run")
+		}
+		m.Stop()
+	})
+	reconnect := func(stream *fakeStream) *fakeSub {
+		(<-stream.newSub).errs <- errors.New("broken")
+		waitFor(t, clk.HasWaiters, "Run never waited to re-subscribe")
+		clk.Step(time.Minute)
+		return <-stream.newSub
+	}
+	s1 := newFakeStream()
+	go func() { defer close(ran1); _ = m.Run(ctx, s1) }()
+	reconnect(s1).send(t, envelope(t, "ns", wrapperspb.String("exit")))
+	<-exiting
+	waitFor(t, func() bool {
+		return readerIs(m, noReader)() || goroutinesIn("(*Monitor).runOnce", "(*WaitGroup).Wait") > 0
+	}, "the ended Run neither freed its place nor waited for its hook")
+	if !readerIs(m, noReader)() {
+		return // the ended Run waits for its hook, holding its place
+	}
+	assert.Zero(t, running.Load(), "Run's place is free with its resync hook still running")
+	// What that allows: the next Run's hook runs beside the old one.
+	s2 := newFakeStream()
+	ran2 = make(chan struct{})
+	go func() { defer close(ran2); _ = m.Run(ctx, s2) }()
+	reconnect(s2).send(t, envelope(t, "ns", wrapperspb.String("c1"))) // established: its hook starts
+	select {
+	case <-hooked:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the second Run's hook never ran")
+	}
+	assert.LessOrEqual(t, most.Load(), int32(1), "two resync hooks ran at once")
+}
+
+// A log hook that ends the worker's goroutine on a replay's retry line,
+// before the call begins: the call fails as a Goexit in the handler does,
+// nothing hangs, and the slot goes on.
+func TestGoexitInTheRetryLineFailsTheCall(t *testing.T) {
+	r := newRecorder()
+	r.fail(ev{"a", 1}, 1)
+	lg, hook := endingLogger("retrying backed-off events", runtime.Goexit)
+	h := newHarness(t, r, WithLogger(lg), WithWorkers(1))
+	h.submit(t, ev{"a", 1})
+	h.settled(t)
+	require.True(t, h.m.InBackoff("a"))
+	h.clock.Step(DefaultInitialBackoff)
+	waitFor(t, hook.fired.Load, "the retry line was never logged")
+	h.submit(t, ev{"b", 1})
+	h.settled(t)
+	s := h.m.Stats()
+	assert.Empty(t, r.handledOf("a"), "the replay's call was not made")
+	assert.Equal(t, uint64(2), s.Failed, "the first call, and the replay's")
+	assert.True(t, h.m.InBackoff("a"), "a/1 backs off again")
+	assert.Len(t, r.handledOf("b"), 1, "b/1 gets the only worker slot")
+	assertBalanced(t, s)
 }
