@@ -39,22 +39,25 @@ package eventmonitor
 // For maintainers, where each guarantee lives:
 //   - Ordered, and Exact backoff's rules: internal/keyq's package doc.
 //   - One path per key: keyq's Running phase, entered by Take (takeReady,
-//     call.go) and TakeAlone (queueExit, exitmonitor.go), both only while
-//     the lifecycle handles; left by Done or Failed as the call settles
-//     (for a dropped event, in release once the drop is handed over), or
-//     at Stop (abandon, stop.go).
+//     call.go) and TakeAlone (queueExit, exitmonitor.go) only while the
+//     lifecycle handles, and left when the call settles (settle, or
+//     release once a dropped event's drop was handed over) or at Stop
+//     (abandon, stop.go).
 //   - Parallel and fair: reconcile's loop over free slots (monitor.go),
-//     release passing a slot on (call.go), replaceStuck (scheduler.go,
-//     called from reconcile only); turns in keyq's Done; the intake pause
-//     in ingest (intake.go).
+//     release passing a slot on (call.go), replaceStuck (scheduler.go);
+//     turns in keyq's Done; the intake pause in ingest (intake.go).
 //   - Exact backoff's timing and Clock-driven: reconcile replays what is
-//     due; scheduler.go's one timer wakes it and ends a call's ctx at its
+//     due; scheduler.go's one timer wakes it and ends calls' ctx at their
 //     deadline (expire). Time is read only through the configured clock.
 //   - Nothing vanishes: the identity in stats.go. An event enters it in
 //     accept or refuse (or ingest, for an envelope not queued) and leaves
 //     it in settle, drop or Forget; in between it is in keyq or in a call,
-//     from which Stats derives the gauges (a call by its stage, which
-//     settle ends). Stop hands over what is left in finishStop (stop.go),
-//     after waiting for what is being accepted (Monitor.accepting) and for
-//     the scheduler and watchers. Stop's bounded return: its loop abandons
-//     each call that expire (scheduler.go) marks overran at overrunAt.
+//     from which Stats derives the gauges. Stop hands over what is left in
+//     finishStop once nothing is being accepted and the scheduler and
+//     watchers are gone; it returns in bounded time because its loop
+//     abandons each call expire marks overran.
+//   - User code cannot take the monitor down: errors.go says how each
+//     callback is guarded. A handler ending its goroutine (runtime.Goexit)
+//     fails its call (handle); other callbacks must not, but where that
+//     would hold a key, a slot or the reader's place (a worker's report,
+//     Start's reader, an exit watcher) the bookkeeping is deferred anyway.

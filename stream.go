@@ -59,14 +59,12 @@ func (m *Monitor) Subscribe(s Subscriber, filters ...string) {
 }
 
 // Start reads the stream opened by Subscribe, as containerd's CRI monitor
-// does. The channel delivers the stream's error if it breaks (one wrapping
-// ErrStreamClosed if user code, such as a converter, ends the reader's
-// goroutine with runtime.Goexit), ErrStopped after Stop or Shutdown began,
-// ErrNoConverter without WithConverter, or ErrAlreadyRunning while a Run or
-// another Start reads a stream; it is closed when reading ends (stream
-// error, Stop or Shutdown). A Start that fails leaves the subscription for
-// the next. After a stream error, Submit, WatchExit and backoff replays go
-// on working until Stop.
+// does. Its channel delivers the stream's error if it breaks, ErrStopped
+// once Stop or Shutdown was called, ErrNoConverter without WithConverter,
+// or ErrAlreadyRunning while a Run or another Start reads a stream, and is
+// closed when reading ends. A Start that fails leaves the subscription for
+// the next. After a stream error, Submit, WatchExit and replays go on
+// until Stop.
 //
 // Without Subscribe, Start reads nothing and needs no converter: its channel
 // stays open until Stop, standing for the monitor's lifetime as containerd's
