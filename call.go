@@ -131,13 +131,8 @@ func (m *Monitor) work(c *call) {
 func (m *Monitor) handle(c *call) (next *call) {
 	exited := true
 	defer func() {
-		// runtime.Goexit in the handler or the retry line's log hook: the
-		// call still settles (unless Stop withdrew it, or it had settled),
-		// and a new goroutine takes its slot on.
-		if exited && (c.progress.Load() == invoked || c.progress.CompareAndSwap(notBegun, invoked)) {
-			if next := m.finish(c, false, errHandlerExited); next != nil {
-				go m.work(next)
-			}
+		if exited {
+			m.settleExited(c)
 		}
 	}()
 	if c.replayStart {
@@ -152,15 +147,27 @@ func (m *Monitor) handle(c *call) (next *call) {
 	return m.finish(c, ignored, err)
 }
 
+// settleExited settles call c, whose goroutine is ending (runtime.Goexit)
+// in the handler or in the retry line's log hook, as a failure, unless
+// Stop withdrew it first. A new goroutine takes its slot on.
+func (m *Monitor) settleExited(c *call) {
+	if c.progress.Load() != invoked && !c.progress.CompareAndSwap(notBegun, invoked) {
+		return // withdrawn
+	}
+	if next := m.finish(c, false, errHandlerExited); next != nil {
+		go m.work(next)
+	}
+}
+
 var errHandlerExited = fmt.Errorf("%w: it panicked with nil or called runtime.Goexit (as t.FailNow does)", ErrHandlerPanic)
 
 // invoke calls the handler and reports whether its error wraps
 // ErrUnsupportedEvent (ignored). A panic, in the handler or in its error's
 // methods, becomes ErrHandlerPanic, logged with the panicking stack.
 func (m *Monitor) invoke(c *call) (ignored bool, err error) {
-	returned := false
+	ok := false
 	defer func() {
-		if returned {
+		if ok {
 			return
 		}
 		err = errHandlerExited // runtime.Goexit (recover is nil) unwinds on, to handle's defer
@@ -172,7 +179,7 @@ func (m *Monitor) invoke(c *call) (ignored bool, err error) {
 	}()
 	err = checked(m.handler.HandleEvent(c, c.it.event))
 	ignored = errors.Is(err, ErrUnsupportedEvent)
-	returned = true
+	ok = true
 	return ignored, err
 }
 
@@ -192,30 +199,37 @@ func (m *Monitor) finish(c *call, ignored bool, err error) (next *call) {
 	}
 	wasOverrun := c.stage == overran
 	out := m.settle(c, err, ignored, end)
-	if wasOverrun || out.failed != nil || m.cfg.metrics != nil { // something to report
-		m.reconcile()
-		m.mu.Unlock() // the report runs user code: logger, Metrics, drop handler
-		reported := false
-		defer func() {
-			if !reported { // that code ended the goroutine (runtime.Goexit): release the call still
-				if next := m.lockedRelease(c, out); next != nil {
-					go m.work(next)
-				}
-			}
-		}()
-		m.report(c, err, end, out, wasOverrun)
-		reported = true
-		return m.lockedRelease(c, out)
+	if !wasOverrun && out.failed == nil && m.cfg.metrics == nil { // nothing to report
+		next = m.release(c, out)
+		m.mu.Unlock()
+		return next
 	}
-	next = m.release(c, out)
+	m.reconcile()
 	m.mu.Unlock()
-	return next
+	return m.reportThenRelease(c, err, end, out, wasOverrun)
 }
 
-func (m *Monitor) lockedRelease(c *call, out outcome) *call {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	return m.release(c, out)
+// reportThenRelease reports settled call c without mu, as the report runs
+// user code (logger, Metrics, drop handler), then releases it. If that code
+// ends the goroutine (runtime.Goexit), the call is released all the same
+// and a new goroutine takes its slot on.
+func (m *Monitor) reportThenRelease(c *call, err error, end time.Time, out outcome, wasOverrun bool) *call {
+	release := func() *call {
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		return m.release(c, out)
+	}
+	reported := false
+	defer func() {
+		if !reported {
+			if next := release(); next != nil {
+				go m.work(next)
+			}
+		}
+	}()
+	m.report(c, err, end, out, wasOverrun)
+	reported = true
+	return release()
 }
 
 // release ends settled call c: the key of a dropped event, held until the
@@ -260,7 +274,7 @@ func (m *Monitor) settle(c *call, err error, ignored bool, end time.Time) outcom
 	var reason error
 	switch {
 	case !m.state.accepts():
-		reason = failedDrop{ErrStopped, ": failed while shutting down", err}
+		reason = failedDrop{ErrStopped, ": failed as the monitor stops", err}
 	case m.cfg.maxAttempts > 0 && f.attempts >= m.cfg.maxAttempts:
 		reason = failedDrop{ErrMaxAttempts, fmt.Sprintf(" (%d)", f.attempts), err}
 	default:

@@ -57,7 +57,9 @@ package eventmonitor
 //     watchers are gone; it returns in bounded time because its loop
 //     abandons each call expire marks overran.
 //   - User code cannot take the monitor down: errors.go says how each
-//     callback is guarded. A handler ending its goroutine (runtime.Goexit)
-//     fails its call (handle); other callbacks must not, but where that
-//     would hold a key, a slot or the reader's place (a worker's report,
-//     Start's reader, an exit watcher) the bookkeeping is deferred anyway.
+//     callback is guarded (log hooks are not: their panic is the
+//     process's). A handler ending its goroutine (runtime.Goexit) fails its
+//     call (handle). Where a callback's Goexit would hold a key, a slot or
+//     a place, the bookkeeping is deferred: a worker's report
+//     (reportThenRelease), the scheduler (schedule), Start's reader (which
+//     then reports it) and an exit watcher.

@@ -29,8 +29,9 @@ const UnknownExitCode = 255
 // failure backs it off like any event.
 //
 // The returned channel is closed once the exit was queued, refused (its
-// drop handed over), or handled in the watcher's goroutine and reported;
-// or once ctx ended or Stop began while it waited. An exit arriving once
+// drop handed over), or handled in the watcher's goroutine and reported
+// (for a call Stop abandoned, once its handler returns); or once ctx ended
+// or Stop began while it waited. An exit arriving once
 // Shutdown was called is dropped with ErrStopped; one that arrives after
 // Stop began may stay unread in exitCh (a WatchExit after Stop returns a
 // closed channel). A nil ctx, m, exitCh or event panics at once.

@@ -805,3 +805,70 @@ func TestGoexitInTheRetryLineFailsTheCall(t *testing.T) {
 	assert.Len(t, r.handledOf("b"), 1, "b/1 gets the only worker slot")
 	assertBalanced(t, s)
 }
+
+// A log hook that ends the scheduler's goroutine on the overrun warning: a
+// new scheduler takes over, so later deadlines still expire and Stop still
+// returns within about the handle timeout of a handler ignoring its ctx.
+func TestGoexitInTheOverrunLineHandsTheSchedulerOn(t *testing.T) {
+	lg, hook := endingLogger("event handler overran its timeout", runtime.Goexit)
+	releaseA, releaseB := make(chan struct{}), make(chan struct{})
+	startedA, startedB := make(chan struct{}), make(chan struct{})
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		switch e {
+		case ev{"a", 1}:
+			close(startedA)
+			<-releaseA
+		case ev{"b", 1}:
+			close(startedB)
+			<-releaseB // ignores ctx
+		}
+		return nil
+	}), WithLogger(lg), WithWorkers(2), WithHandleTimeout(time.Second))
+	t.Cleanup(func() { close(releaseB) }) // runs before the harness's Stop
+	h.submit(t, ev{"a", 1})
+	<-startedA
+	waitArmed(t, h.m, func(at time.Time) bool { return at.Equal(epoch.Add(time.Second)) })
+	h.clock.Step(time.Second + 100*time.Millisecond) // past deadline and grace
+	waitFor(t, hook.fired.Load, "the overrun line was never logged")
+	close(releaseA)
+	waitFor(t, func() bool { return h.m.Stats().InFlight == 0 }, "a/1 never settled")
+
+	h.submit(t, ev{"b", 1})
+	<-startedB
+	stopped := make(chan struct{})
+	go func() { h.m.Stop(); close(stopped) }()
+	waitFor(t, h.stopping, "Stop never began")
+	h.clock.Step(time.Minute) // far past b's deadline and grace
+	awaitClosed(t, stopped, "Stop, past b's handle timeout and grace")
+	assertBalanced(t, h.m.Stats())
+}
+
+// A drop handler that ends Start's stream reader (its goroutine) on the
+// first drop: reading ends, and Start's channel says so rather than
+// closing as if the monitor had stopped.
+func TestGoexitInTheDropHandlerOnStartsReaderIsReported(t *testing.T) {
+	first := true
+	h := newHarness(t, newRecorder(), WithConverter(testConverter), WithDropHandler(func(Drop) {
+		if first { // the reader's goroutine only: no race
+			first = false
+			runtime.Goexit()
+		}
+	}))
+	stream := newFakeStream()
+	h.m.Subscribe(stream)
+	errCh := h.m.Start()
+	sub := <-stream.newSub
+	sub.send(t, &Envelope{Topic: "/bad"}) // nil payload: dropped, ErrInvalidEvent
+	err, open := startResult(t, errCh)
+	require.True(t, open, "Start's channel closed with no error")
+	assert.ErrorIs(t, err, ErrStreamClosed)
+	assert.ErrorIs(t, err, errReaderExited)
+	s := h.m.Stats()
+	assert.Equal(t, uint64(1), s.Dropped)
+	assertBalanced(t, s)
+	waitFor(t, func() bool {
+		h.m.mu.Lock()
+		defer h.m.mu.Unlock()
+		return h.m.stream.reader == noReader
+	}, "the reader's place was never freed")
+}

@@ -25,7 +25,7 @@ const (
 	held     lifecycle = iota // WithDeferredStart: accepts, handles and replays nothing
 	running                   // accepts and handles
 	draining                  // Shutdown: accepts nothing, handles what it holds
-	stopped                   // Stop began: accepts nothing, takes no key
+	stopped                   // Stop began: accepts nothing, takes no key (a call taken before runs on, cancelled)
 )
 
 func (s lifecycle) accepts() bool { return s == held || s == running }

@@ -128,9 +128,10 @@ func WithIntakeLimit(n int) Option { return func(c *config) { c.intakeLimit = n 
 // WithDropHandler receives every event given up on, with the reason, without
 // locks held and possibly concurrently; Stop, Shutdown and WaitIdle may be
 // waiting for it, so it must not call them but in a goroutine. A panic in
-// it is logged; a runtime.Goexit in it (t.FailNow) ends the goroutine, and
-// the Drops that goroutine had yet to hand over are lost (Stats still
-// counts them). The default logs the drop.
+// it is logged. A runtime.Goexit in it (t.FailNow) ends the goroutine: the
+// Drops that goroutine had yet to hand over are lost (Stats still counts
+// them), and on Start's stream reader reading ends, reported on Start's
+// channel. The default logs the drop.
 func WithDropHandler(fn func(Drop)) Option { return func(c *config) { c.onDrop = fn } }
 
 // WithResubscribe sets Run's reconnect delay, doubling from initial to max.

@@ -14,7 +14,9 @@ import (
 // WaitIdle, Stop or Shutdown, which wait for them.
 type Metrics interface {
 	// HandlerDone reports each handler call's duration and error (nil on
-	// success), but for calls Stop abandoned: their events are dropped.
+	// success), but for calls Stop abandoned: their events are dropped. A
+	// replay whose retry line's log hook ended the goroutine counts as a
+	// call that failed with ErrHandlerPanic.
 	HandlerDone(d time.Duration, err error)
 	// Recovered reports an event handled after failing before, with the time
 	// since its first failure.

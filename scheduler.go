@@ -136,7 +136,17 @@ func (m *Monitor) poke() {
 // schedule is the scheduler's goroutine: a pass each time the timer fires or
 // it is poked, until Stop left nothing to time.
 func (m *Monitor) schedule(fired <-chan time.Time) {
-	defer m.watchers.Done()
+	left := false
+	defer func() {
+		if !left { // a log hook ended the goroutine (runtime.Goexit): a new scheduler takes over
+			m.mu.Lock()
+			m.sched.disarm()
+			m.sched.timer = nil
+			m.reconcile()
+			m.mu.Unlock()
+		}
+		m.watchers.Done()
+	}()
 	for {
 		timerFired := false
 		select {
@@ -159,6 +169,7 @@ func (m *Monitor) schedule(fired <-chan time.Time) {
 		m.mu.Unlock()
 		m.logOverruns(lines)
 		if done {
+			left = true
 			return
 		}
 	}

@@ -19,7 +19,7 @@ type Stats struct {
 	// the handler returned ErrUnsupportedEvent for: not ours, not drops.
 	Ignored      uint64
 	Handled      uint64 // handler calls that succeeded
-	Failed       uint64 // handler calls that failed, panicked or ended their goroutine
+	Failed       uint64 // handler calls that failed, panicked or ended their goroutine (or whose retry line did)
 	Retried      uint64 // backoff replays begun, including one Forget emptied before it started
 	Dropped      uint64 // events given to the drop handler
 	Forgotten    uint64 // events returned by Forget

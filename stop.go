@@ -20,7 +20,8 @@ import (
 // call's report, an envelope being converted, an exit being read or
 // built), so it must not be called from a handler or from any callback
 // (drop handler, Metrics, log hook, converter, exit builder, Result):
-// call go m.Stop() there.
+// call go m.Stop() there. An envelope Run's reader takes as Stop returns
+// is dropped with ErrStopped, maybe just after.
 func (m *Monitor) Stop() { m.stop(context.Background()) }
 
 // stop is Stop, also abandoning every call still running once ctx, from
@@ -119,7 +120,7 @@ func (m *Monitor) finishStop() {
 // then Stops. An event failing meanwhile, or still waiting at the stop, is
 // dropped with ErrStopped. Overrunning calls do not hold it up: once
 // nothing else can move, it stops. If ctx ends first, it stops at once,
-// abandoning every call in progress.
+// abandoning every call in progress (then waits for the rest as Stop does).
 //
 // Its result, the first of these that applies:
 //   - an error wrapping ctx's error, if ctx's end cut the drain short

@@ -59,12 +59,14 @@ func (m *Monitor) Subscribe(s Subscriber, filters ...string) {
 }
 
 // Start reads the stream opened by Subscribe, as containerd's CRI monitor
-// does. Its channel delivers the stream's error if it breaks, ErrStopped
-// once Stop or Shutdown was called, ErrNoConverter without WithConverter,
-// or ErrAlreadyRunning while a Run or another Start reads a stream, and is
-// closed when reading ends. A Start that fails leaves the subscription for
-// the next. After a stream error, Submit, WatchExit and replays go on
-// until Stop.
+// does. Its channel delivers the stream's error if it breaks (wrapping
+// ErrStreamClosed if a callback on the reader, such as the converter or
+// drop handler, ends its goroutine), and is closed when reading ends; a
+// Stop or Shutdown closes it with no error. A Start called once they were
+// gets ErrStopped; without WithConverter, ErrNoConverter; while a Run or
+// another Start reads a stream, ErrAlreadyRunning. A Start that fails
+// leaves the subscription for the next. After a stream error, Submit,
+// WatchExit and replays go on until Stop.
 //
 // Without Subscribe, Start reads nothing and needs no converter: its channel
 // stays open until Stop, standing for the monitor's lifetime as containerd's
@@ -92,18 +94,23 @@ func (m *Monitor) Start() <-chan error {
 	go func() {
 		defer m.watchers.Done()
 		defer close(errCh)
-		if err := m.readSubscribed(sub); err != nil && !m.intakeEnded() {
-			errCh <- err
-			m.cfg.logger.WithError(err).Error("event stream failed")
-		}
+		err := errReaderExited // unless consume returns: a callback ended the goroutine (runtime.Goexit)
+		defer func() {
+			if err != nil && !m.intakeEnded() {
+				errCh <- err
+				m.cfg.logger.WithError(err).Error("event stream failed")
+			}
+		}()
+		err = m.readSubscribed(sub)
 	}()
 	return errCh
 }
 
+var errReaderExited = fmt.Errorf("%w: a callback ended the stream reader's goroutine (runtime.Goexit)", ErrStreamClosed)
+
 // readSubscribed is Start's reading of sub. It frees the reader's place
 // before Start reports (whoever reads its channel may Run or Start at once),
-// deferred so that a callback ending the goroutine (runtime.Goexit) frees
-// it too.
+// in defers, as a callback may end the goroutine.
 func (m *Monitor) readSubscribed(sub *subscription) error {
 	defer m.setReader(noReader)
 	defer sub.cancel()
