@@ -148,12 +148,9 @@ func (m *Monitor) handle(c *call) (next *call) {
 }
 
 // settleExited settles call c, whose goroutine is ending (runtime.Goexit)
-// in the handler or in the retry line's log hook, as a failure, unless
-// Stop withdrew it first. A new goroutine takes its slot on.
+// in the handler or in the retry line's log hook, as a failure (finish
+// leaves one Stop gave up on alone). A new goroutine takes its slot on.
 func (m *Monitor) settleExited(c *call) {
-	if c.progress.Load() != invoked && !c.progress.CompareAndSwap(notBegun, invoked) {
-		return // withdrawn
-	}
 	if next := m.finish(c, false, errHandlerExited); next != nil {
 		go m.work(next)
 	}

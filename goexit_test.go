@@ -872,3 +872,236 @@ func TestGoexitInTheDropHandlerOnStartsReaderIsReported(t *testing.T) {
 		return h.m.stream.reader == noReader
 	}, "the reader's place was never freed")
 }
+
+// The same through an exit's reading: a log hook panicking on the "cannot
+// read exit status" line crashes the watcher's goroutine, as any unguarded
+// panic does, without the drop handler first being told of a Goexit.
+func TestAPanicThroughAnExitsReadingIsNotTakenForAGoexit(t *testing.T) {
+	const env = "EVENTMONITOR_EXIT_PANIC_CHILD"
+	if os.Getenv(env) == "1" {
+		lg, _ := endingLogger("cannot read exit status", func() { panic("log hook panics") })
+		m, err := New(newRecorder(), WithLogger(lg),
+			WithDropHandler(func(d Drop) { fmt.Printf("DROP-HANDLER-CALLED: %v\n", d.Reason) }))
+		if err != nil {
+			panic(err)
+		}
+		exitCh := make(chan fakeExit, 1)
+		exitCh <- fakeExit{err: errors.New("no status")}
+		WatchExit(context.Background(), m, "c1", exitCh, exitOf("c1"))
+		waitFor(t, func() bool { // once in hand, the exit stays so until the child crashes
+			m.mu.Lock()
+			defer m.mu.Unlock()
+			return m.accepting > 0 || m.stats.Received > 0
+		}, "the exit was never taken")
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_ = m.WaitIdle(ctx)
+		return
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^TestAPanicThroughAnExitsReadingIsNotTakenForAGoexit$", "-test.count=1")
+	cmd.Env = append(os.Environ(), env+"=1")
+	out, err := cmd.CombinedOutput()
+	var exit *exec.ExitError
+	require.True(t, errors.As(err, &exit), "the child should crash on the hook's panic: %v\n%s", err, out)
+	assert.Contains(t, string(out), "log hook panics")
+	assert.NotContains(t, string(out), "DROP-HANDLER-CALLED",
+		"user code ran mid-panic, told of a Goexit for a panic:\n%s", out)
+}
+
+// A Goexit on Start's reader outside ingest's guard but inside consume (the
+// debug line for a first ignored type): the envelope was counted as
+// ignored, is not dropped as well, and Start reports errReaderExited.
+func TestGoexitAfterTheEnvelopeWasCountedDropsNothing(t *testing.T) {
+	lg, hook := endingLogger("ignoring events of a type", runtime.Goexit)
+	h := newHarness(t, newRecorder(), WithConverter(testConverter), WithLogger(lg))
+	stream := newFakeStream()
+	h.m.Subscribe(stream)
+	errCh := h.m.Start()
+	(<-stream.newSub).send(t, envelope(t, "ns", wrapperspb.Int64(7))) // registered, no key: ignored
+	err, open := startResult(t, errCh)
+	require.True(t, open)
+	require.ErrorIs(t, err, errReaderExited)
+	require.True(t, hook.fired.Load())
+	h.settled(t)
+	s := h.m.Stats()
+	assert.Equal(t, uint64(1), s.Ignored)
+	assert.Zero(t, s.Dropped)
+	assert.Empty(t, h.drops.all())
+	assertBalanced(t, s)
+}
+
+// A drop handler that Goexits on Stop's first drop ends Stop's goroutine
+// in its emit loop: the lifetime channel (a bare Start's) still closes.
+// The drops after it are counted but not handed over (documented).
+func TestGoexitInStopsDropHandlerStillEndsTheLifetime(t *testing.T) {
+	var mu sync.Mutex
+	var seen []string
+	h := newHarness(t, newRecorder(), WithDeferredStart(), WithLogger(quietLogger()),
+		WithDropHandler(func(d Drop) {
+			mu.Lock()
+			seen = append(seen, d.Key)
+			mu.Unlock()
+			runtime.Goexit()
+		}))
+	h.submit(t, ev{"a", 1}, ev{"b", 1}, ev{"c", 1})
+	stopped := make(chan struct{})
+	go func() { defer close(stopped); h.m.Stop() }()
+	awaitClosed(t, stopped, "Stop's goroutine")
+	select {
+	case <-h.m.lifetime:
+	case <-time.After(10 * time.Second):
+		t.Fatal("lifetime never closed")
+	}
+	s := h.m.Stats()
+	assertBalanced(t, s)
+	assert.Equal(t, uint64(3), s.Dropped)
+	mu.Lock()
+	defer mu.Unlock()
+	assert.Equal(t, []string{"a"}, seen)
+}
+
+// A drop handler that ends Start's reader, as it reports a nil envelope,
+// leaves the reader's place free too.
+func TestGoexitInTheDropHandlerEndsStartsReaderCleanly(t *testing.T) {
+	h := newHarness(t, newRecorder(), WithConverter(testConverter), WithDropHandler(func(Drop) { runtime.Goexit() }))
+	stream := newFakeStream()
+	h.m.Subscribe(stream)
+	errCh := h.m.Start()
+	(<-stream.newSub).send(t, nil)
+	require.ErrorIs(t, <-errCh, ErrStreamClosed)
+	assert.Equal(t, uint64(1), h.m.Stats().Dropped)
+	h.m.Subscribe(stream)
+	errCh = h.m.Start()
+	<-stream.newSub
+	h.m.Stop()
+	_, open := <-errCh
+	assert.False(t, open, "the next Start read until Stop")
+}
+
+// A log hook that ends Start's reader (runtime.Goexit: t.FailNow in a
+// test's hook on error lines) on its "event stream failed" line: the
+// error was sent already, Start's channel still closes, and Stop returns.
+func TestGoexitInTheStreamFailedLineStillEndsStart(t *testing.T) {
+	lg, hook := endingLogger("event stream failed", runtime.Goexit)
+	drops := &dropLog{}
+	m, err := New(newRecorder(), WithClock(testclock.NewFakeClock(epoch)), WithConverter(testConverter),
+		WithLogger(lg), WithDropHandler(drops.add))
+	require.NoError(t, err)
+	stream := newFakeStream()
+	m.Subscribe(stream)
+	errCh := m.Start()
+	sub := <-stream.newSub
+	sub.errs <- errors.New("broken")
+	waitFor(t, hook.fired.Load, "the stream failure was never logged")
+	waitFor(t, readerIs(m, noReader), "the reader's place was not freed")
+
+	err, open := startResult(t, errCh)
+	require.True(t, open)
+	require.EqualError(t, err, "broken", "sent before the log line")
+	_, open = startResult(t, errCh)
+	assert.False(t, open, "Start's channel closes after a log hook ended its reader")
+	stopped := make(chan struct{})
+	go func() { m.Stop(); close(stopped) }()
+	awaitClosed(t, stopped, "Stop")
+}
+
+// Under GODEBUG=panicnil=1, panic(nil) in the converter and in the exit
+// builder is a panic: each is dropped once, saying so, not also dropped as
+// a Goexit, and the reader goes on reading.
+func TestPanicNilInTheConverterAndBuilderIsCountedOnce(t *testing.T) {
+	inPanicNilChild(t, "TestPanicNilInTheConverterAndBuilderIsCountedOnce", false, func(t *testing.T) (string, bool) {
+		conv := ConverterFunc(func(p typeurl.Any) (string, any, error) {
+			key, event, err := testConverter.Convert(p)
+			if v, ok := event.(*wrapperspb.StringValue); ok && v.GetValue() == "nil" {
+				panic(nil)
+			}
+			return key, event, err
+		})
+		r := newRecorder()
+		h := newHarness(t, r, WithConverter(conv), WithLogger(quietLogger()))
+		stream := newFakeStream()
+		h.m.Subscribe(stream)
+		errCh := h.m.Start()
+		sub := <-stream.newSub
+		sub.send(t, envelope(t, "ns", wrapperspb.String("nil")))
+		sub.send(t, envelope(t, "ns", wrapperspb.String("c1")))
+		waitFor(t, func() bool { return len(r.handledList()) == 1 }, "the reader went on")
+		exitCh := make(chan fakeExit, 1)
+		exitCh <- fakeExit{code: 1, at: epoch}
+		awaitClosed(t, WatchExit(context.Background(), h.m, "c2", exitCh, func(uint32, time.Time) any { panic(nil) }), "the watcher")
+		h.settled(t)
+		s := h.m.Stats()
+		select {
+		case err := <-errCh:
+			return fmt.Sprintf("Start's channel said %v", err), false
+		default:
+		}
+		drops := h.drops.all()
+		if len(drops) != 2 {
+			return fmt.Sprintf("%+v drops=%d", s, len(drops)), false
+		}
+		return fmt.Sprintf("%+v reasons %q, %q", s, drops[0].Reason, drops[1].Reason),
+			s.Received == 3 && s.Dropped == 2 && s.Handled == 1 && accounted(s) == s.Received &&
+				errors.Is(drops[0].Reason, errConverterPanic) && errors.Is(drops[1].Reason, errExitBuilderPanic)
+	})
+}
+
+// Under GODEBUG=panicnil=1, an exit builder that panics with nil, on an
+// exit whose status could not be read, is a panicking builder: its exit
+// is dropped with a reason that wraps a sentinel, not with the status
+// error (which recover's nil once left as the reason).
+func TestPanicNilInTheExitBuilderIsADrop(t *testing.T) {
+	inPanicNilChild(t, "TestPanicNilInTheExitBuilderIsADrop", false, func(t *testing.T) (string, bool) {
+		h := newHarness(t, newRecorder(), WithLogger(quietLogger()))
+		exitCh := make(chan fakeExit)
+		close(exitCh)
+		awaitClosed(t, WatchExitResult(context.Background(), h.m, "c1", exitCh,
+			func(uint32, time.Time, error) any { panic(nil) }), "the watcher")
+		h.settled(t)
+		drops := h.drops.all()
+		if len(drops) != 1 {
+			return fmt.Sprintf("%d drops", len(drops)), false
+		}
+		r := drops[0].Reason
+		return fmt.Sprintf("drop reason %q", r), wrapsADropSentinel(r)
+	})
+}
+
+// A replay's retry line whose log hook blocks past the call's deadline and
+// grace (its slot goes to a new worker), then Stop withdraws the call, then
+// the hook ends the goroutine: settleExited finds the call withdrawn and
+// settles nothing; the event is dropped once, Stop returns, no slot is held
+// twice.
+func TestRetryLineGoexitAfterStopWithdrewTheCall(t *testing.T) {
+	blocked, release := make(chan struct{}), make(chan struct{})
+	lg, _ := endingLogger("retrying backed-off events", func() {
+		close(blocked)
+		<-release
+		runtime.Goexit()
+	})
+	r := newRecorder()
+	r.fail(ev{"a", 1}, 1)
+	h := newHarness(t, r, WithLogger(lg), WithWorkers(1))
+	bad := slotCheck(h.m)
+	checked := checkWhileRunning(t, h.m, bad)
+	h.submit(t, ev{"a", 1})
+	h.settled(t)
+	h.clock.Step(DefaultInitialBackoff)
+	<-blocked
+	h.submit(t, ev{"b", 1})
+	h.clock.Step(DefaultHandleTimeout + 2*time.Second) // overran: the slot goes to b/1
+	waitFor(t, func() bool { return len(r.handledOf("b")) == 1 }, "b/1 never got the slot")
+	stopped := make(chan struct{})
+	go func() { h.m.Stop(); close(stopped) }()
+	awaitClosed(t, stopped, "Stop")
+	close(release)
+	waitFor(t, func() bool { return goroutinesIn("eventmonitor.(*Monitor).work") == 0 }, "a worker was left")
+	checked()
+	s := h.m.Stats()
+	assert.Equal(t, 2, r.callCount(), "a/1's first call and b/1: the withdrawn retry is not made")
+	assert.Equal(t, uint64(1), s.Dropped)
+	reason, ok := dropReason(h, ev{"a", 1})
+	require.True(t, ok)
+	assert.ErrorIs(t, reason, ErrStopped)
+	assertBalanced(t, s)
+}
