@@ -25,16 +25,17 @@ const (
 	abandoned              // Stop gave up on it; its goroutine leaves unseen
 )
 
-// A call's progress is how far its goroutine got, set without mu:
-// notBegun, then invoked just before the handler and returned just after.
-// Stop withdraws a call not yet invoked (so that a call whose event it
-// dropped never starts) and never abandons a returned one (it settles as
-// soon as its goroutine has mu).
+// A call's progress is how far its goroutine got, written without mu:
+// notBegun, then invoked (by compare-and-swap, just before the handler),
+// then returned (just after). Stop, when it abandons a call not yet
+// invoked, moves it to withdrawn (by compare-and-swap), so that a call
+// whose event it dropped never starts; it never abandons a returned call:
+// that one settles once its goroutine has mu.
 const (
-	notBegun int32 = iota
-	invoked
-	returned
-	withdrawn
+	notBegun  int32 = iota
+	invoked         // the handler was called
+	returned        // no more of the handler runs: it returned (its error's methods too), panicked or exited
+	withdrawn       // abandoned before its handler began
 )
 
 // slotUse is which worker slot, if any, a call runs in.
@@ -46,10 +47,10 @@ const (
 	gaveSlot                // it overran and gave its slot to a new worker
 )
 
-// call is one handler call, and the handler's ctx: a standard cancel
-// context (cancelled when the call returns, at its deadline or at Stop),
-// so that contexts derived from it cost no goroutine, with the call's
-// deadline and the key's logger on top.
+// call is one handler call, and the handler's ctx: it embeds a standard
+// cancel context (cancelled at the call's end, its deadline or Stop), so
+// that contexts derived from it cost no goroutine, even below a
+// context.WithValue, and adds the call's deadline and the key's logger.
 type call struct {
 	context.Context
 	cancel      context.CancelCauseFunc
@@ -119,8 +120,9 @@ func (m *Monitor) startCall(k *keyq.Key[item], it item, replayStart bool, s slot
 	return c
 }
 
-// work is a worker: call c, then the calls its slot takes on, until no key
-// is ready or its slot went to a new worker while its call overran.
+// work is a worker: call c, if any, then the calls its slot takes on, until
+// no key is ready or its slot went to a new worker while its call overran.
+// A new worker takes over from one that a user's callback ended.
 func (m *Monitor) work(c *call) {
 	for c != nil {
 		c = m.handle(c)
@@ -131,6 +133,9 @@ func (m *Monitor) work(c *call) {
 func (m *Monitor) handle(c *call) (next *call) {
 	exited := true
 	defer func() {
+		if r := recover(); r != nil {
+			panic(r) // not the handler's (invoke recovers those): a log hook's, the process's
+		}
 		if exited {
 			m.settleExited(c)
 		}
@@ -149,18 +154,20 @@ func (m *Monitor) handle(c *call) (next *call) {
 
 // settleExited settles call c, whose goroutine is ending (runtime.Goexit)
 // in the handler or in the retry line's log hook, as a failure (finish
-// leaves one Stop gave up on alone). A new goroutine takes its slot on.
+// leaves one Stop gave up on alone), and a new goroutine takes its slot on.
+// A panic passing handle's defer never comes here.
 func (m *Monitor) settleExited(c *call) {
 	if next := m.finish(c, false, errHandlerExited); next != nil {
 		go m.work(next)
 	}
 }
 
-var errHandlerExited = fmt.Errorf("%w: it panicked with nil or called runtime.Goexit (as t.FailNow does)", ErrHandlerPanic)
+var errHandlerExited = fmt.Errorf("%w: it panicked with nil or ended its goroutine (runtime.Goexit, as t.FailNow does), or a log hook did on its retry line", ErrHandlerPanic)
 
 // invoke calls the handler and reports whether its error wraps
-// ErrUnsupportedEvent (ignored). A panic, in the handler or in its error's
-// methods, becomes ErrHandlerPanic, logged with the panicking stack.
+// ErrUnsupportedEvent (ignored). A panic, in the handler or in errors.Is
+// running its error's methods, becomes ErrHandlerPanic, logged with the
+// panicking stack (an error whose Error panics, checked replaces).
 func (m *Monitor) invoke(c *call) (ignored bool, err error) {
 	ok := false
 	defer func() {
@@ -218,6 +225,9 @@ func (m *Monitor) reportThenRelease(c *call, err error, end time.Time, out outco
 	}
 	reported := false
 	defer func() {
+		if r := recover(); r != nil {
+			panic(r) // a log hook's: the process's
+		}
 		if !reported {
 			if next := release(); next != nil {
 				go m.work(next)

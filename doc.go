@@ -59,7 +59,10 @@ package eventmonitor
 //   - User code cannot take the monitor down: errors.go says how each
 //     callback is guarded (log hooks are not: their panic is the
 //     process's). A handler ending its goroutine (runtime.Goexit) fails its
-//     call (handle). Where a callback's Goexit would hold a key, a slot or
-//     a place, the bookkeeping is deferred: a worker's report
-//     (reportThenRelease), the scheduler (schedule), Start's reader (which
-//     then reports it) and an exit watcher.
+//     call, and so does a log hook on its retry line (handle,
+//     settleExited). Wherever else a callback's Goexit would leave a key, a
+//     slot, a count or a place held, the bookkeeping is deferred: a
+//     worker's report (reportThenRelease), the scheduler's log lines
+//     (logOverruns), Start's reader (which then reports it on Start's
+//     channel), Run's place, an exit watcher, the accepting count
+//     (endAccepting) and a bare Start's channel (finishStop).

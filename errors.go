@@ -28,7 +28,8 @@ var (
 	// ErrStopped: the monitor is stopped or shutting down.
 	ErrStopped = errors.New("eventmonitor: monitor stopped")
 	// ErrHandlerPanic: the handler panicked or ended its goroutine
-	// (runtime.Goexit); the event counts as failed.
+	// (runtime.Goexit), or a log hook did on a replay's retry line; the
+	// event counts as failed.
 	ErrHandlerPanic = errors.New("eventmonitor: handler panicked")
 	// ErrInvalidOption: New was given an unusable option value or a nil
 	// handler, or Run a nil Subscriber.
@@ -43,15 +44,27 @@ var (
 )
 
 // User code runs under a recover, so that its panic costs only what it was
-// given: the handler's fails its event (invoke); the converter's, exit
-// status's, exit builder's and resync hook's become their error
-// (errOnPanic); the drop handler's and Metrics' are logged (logOnPanic).
+// given:
+//   - the handler's fails its event (invoke);
+//   - the converter's, exit status's, exit builder's and resync hook's
+//     become their error (errOnPanic);
+//   - the drop handler's and Metrics' are logged (logOnPanic);
+//   - an ignored payload's GetTypeUrl's leaves the type out of the log line.
+//
+// Log hooks are not guarded: their panic is the process's. Errors from user
+// code pass through checked before anything logs them, and errors.Is, which
+// runs an error's own methods, runs under the same recover as the code that
+// returned it.
+//
 // A handler ending its goroutine (runtime.Goexit, as t.FailNow does) fails
-// its event too (handle); other callbacks must not. Errors from user code
-// pass through checked before anything logs them.
+// its event. Other callbacks should not; where one does, the goroutine's
+// bookkeeping is deferred so that no key, slot or place stays held (see
+// doc.go), and what it had left to do is not done.
 
 // recovering runs fn and recovers its panic: ok reports whether fn
-// returned, which also tells a panic(nil) under GODEBUG=panicnil=1.
+// returned, which also tells a panic(nil) under GODEBUG=panicnil=1. A
+// runtime.Goexit goes on through, even if a panic raised after the Goexit
+// began is recovered here: recovering never returns from one.
 func recovering(fn func()) (r any, ok bool) {
 	defer func() {
 		if !ok {
@@ -83,9 +96,9 @@ func checked(err error) error {
 }
 
 // panicked formats a recovered panic's value, even one whose own Error or
-// String panics.
+// String panics (fmt recovers that, but not a panic of the panic's value).
 func panicked(r any) (s string) {
-	if _, ok := recovering(func() { s = fmt.Sprint(r) }); !ok || s == "" {
+	if _, ok := recovering(func() { s = fmt.Sprint(r) }); !ok {
 		return fmt.Sprintf("a %T that cannot be printed", r)
 	}
 	return s

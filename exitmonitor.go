@@ -19,22 +19,27 @@ type ExitStatus interface {
 const UnknownExitCode = 255
 
 // WatchExit waits in its own goroutine for the exit on exitCh and hands m,
-// under key, the event built by event(code, exitedAt), with
-// UnknownExitCode and the monitor clock's now if Result fails or exitCh
-// closes empty. The exit needs no worker: on an idle key it is handled at
-// once in the watcher's goroutine, with the handle timeout; on a busy key
-// (a call in progress, events queued, backoff) or in a held monitor
-// (WithDeferredStart) it joins the key's queue, so it never runs beside
-// another call of its key nor ahead of events accepted before it. A
-// failure backs it off like any event.
+// under key, the event built by event(code, exitedAt): with UnknownExitCode
+// and the monitor clock's now if Result fails or exitCh closes empty. The exit
+// needs no worker: on an idle key it is handled at once in the watcher's
+// goroutine, with the handle timeout; on a busy key (a call in progress,
+// events queued, or backoff), or in a held monitor (WithDeferredStart), it
+// joins the tail of the key's queue, so it never runs beside another call
+// for the key nor ahead of events accepted before it (an envelope the
+// stream reader holds at WithIntakeLimit is not accepted yet). A failure
+// backs it off like any event.
 //
-// The returned channel is closed once the exit was queued, refused (its
-// drop handed over), or handled in the watcher's goroutine and reported
-// (for a call Stop abandoned, once its handler returns); or once ctx ended
-// or Stop began while it waited. An exit arriving once
-// Shutdown was called is dropped with ErrStopped; one that arrives after
-// Stop began may stay unread in exitCh (a WatchExit after Stop returns a
-// closed channel). A nil ctx, m, exitCh or event panics at once.
+// The returned channel is closed once the exit was queued, or refused and
+// its drop handed over, or handled in the watcher's goroutine and its
+// outcome reported; once ctx ended (an exit waiting as it ends may still be
+// taken, and handled) or Stop began while it waited. An exit handled in the
+// watcher's goroutine that Stop abandons closes it when its handler
+// returns (so does containerd's stopCh). An exit not yet queued when
+// Shutdown is called (arriving later, or still being read or built) is
+// dropped with ErrStopped, as is one a watcher reads once Stop began; a
+// watcher that saw Stop begin reads no more, so an exit sent then may stay
+// in exitCh (a WatchExit after Stop returns a closed channel). A nil ctx,
+// m, exitCh or event panics at once, not in the goroutine.
 func WatchExit[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh <-chan S,
 	event func(code uint32, exitedAt time.Time) any) <-chan struct{} {
 	mustWatch(ctx, "WatchExit", m, exitCh == nil, event == nil)

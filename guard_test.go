@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"os/exec"
 	"runtime"
 	"strings"
 	"sync/atomic"
@@ -14,6 +16,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/types/known/wrapperspb"
+	testclock "k8s.io/utils/clock/testing"
 )
 
 // The guards around user code (errors.go): a panic, a panic(nil) under
@@ -759,4 +762,180 @@ func TestLatePanicNilAfterGoexit(t *testing.T) {
 		}
 		return strings.Join(bad, "; "), len(bad) == 0
 	})
+}
+
+// panicValue's Error ends the goroutine.
+type goexitInErrorValue struct{}
+
+func (goexitInErrorValue) Error() string { runtime.Goexit(); return "" }
+
+// A handler panics with a value whose Error ends the goroutine (formatting
+// the panic in invoke's defer): the call settles once.
+func TestAPanicValueWhoseErrorGoexitsSettlesOnce(t *testing.T) {
+	calls := atomic.Int32{}
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		if calls.Add(1) == 1 {
+			panic(goexitInErrorValue{})
+		}
+		return nil
+	}), WithLogger(quietLogger()), WithWorkers(1))
+	bad := slotCheck(h.m)
+	h.submit(t, ev{"a", 1}, ev{"b", 1})
+	h.settled(t)
+	s := h.m.Stats()
+	assert.Equal(t, uint64(1), s.Failed)
+	assert.Equal(t, uint64(1), s.Handled)
+	assertNoSlotLeft(t, h.m, bad, s)
+}
+
+// A handler that panics with an empty string: the error does not say the
+// value "cannot be printed" (only a value whose formatting panics cannot).
+func TestAnEmptyPanicValueIsPrinted(t *testing.T) {
+	var got atomic.Value
+	h := newHarness(t, HandlerFunc(func(ctx context.Context, e any) error {
+		panic("")
+	}), WithLogger(quietLogger()), WithMaxAttempts(1), WithDropHandler(func(d Drop) { got.Store(d.Reason) }))
+	h.submit(t, ev{"a", 1})
+	h.settled(t)
+	reason, _ := got.Load().(error)
+	require.Error(t, reason)
+	assert.True(t, errors.Is(reason, ErrHandlerPanic))
+	assert.NotContains(t, reason.Error(), "cannot be printed", "panic(\"\") was printed fine: it is empty")
+}
+
+// panickyClock panics in Now when called from the scheduler's pass once
+// broken is set: a bug under mu, or a user clock that fails.
+type panickyClock struct {
+	*testclock.FakeClock
+	broken atomic.Bool
+}
+
+func (c *panickyClock) Now() time.Time {
+	if c.broken.Load() {
+		pcs := make([]uintptr, 32)
+		frames := runtime.CallersFrames(pcs[:runtime.Callers(2, pcs)])
+		for {
+			f, more := frames.Next()
+			if f.Function == "github.com/eventmonitor/eventmonitor.(*Monitor).schedule" {
+				panic("review2: the clock broke in the scheduler's pass")
+			}
+			if !more {
+				break
+			}
+		}
+	}
+	return c.FakeClock.Now()
+}
+
+// A panic in the scheduler's pass, raised while it holds mu (a user clock,
+// or any bug under mu), crashes the process with its message: the
+// scheduler's hand-over after a log hook's Goexit does not take it for one
+// (it would take mu again and hang the monitor silently).
+func TestAPanicUnderMuInTheSchedulerCrashes(t *testing.T) {
+	const env = "REVIEW2_SCHEDULER_PANIC_CHILD"
+	if os.Getenv(env) == "1" {
+		clk := &panickyClock{FakeClock: testclock.NewFakeClock(epoch)}
+		r := newRecorder()
+		r.fail(ev{"a", 1}, 1)
+		m, err := New(r, WithClock(clk), WithLogger(quietLogger()))
+		require.NoError(t, err)
+		require.NoError(t, m.Submit("a", ev{"a", 1}))
+		require.NoError(t, m.WaitIdle(context.Background()))
+		clk.broken.Store(true)
+		clk.Step(time.Second) // the retry's timer fires: the pass panics under mu
+		fmt.Println("CHILD: stepped; a crash should follow")
+		select {} // the panic ends the process, or nothing ever does
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestAPanicUnderMuInTheSchedulerCrashes$", "-test.count=1")
+	cmd.Env = append(os.Environ(), env+"=1")
+	out, _ := cmd.CombinedOutput()
+	require.NoError(t, ctx.Err(), "the child hung (mu never released, the panic never printed):\n%s", out)
+	assert.Contains(t, string(out), "panic: review2: the clock broke", "%s", out)
+}
+
+// flakyUnwrapErr's Unwrap panics from its fourth call on: a stateful
+// error (a lazily built cause, a field another goroutine sets), whose
+// methods convert ran three times under the converter's guard.
+type flakyUnwrapErr struct{ calls atomic.Int32 }
+
+func (e *flakyUnwrapErr) Error() string { return "flaky" }
+func (e *flakyUnwrapErr) Unwrap() error {
+	if e.calls.Add(1) >= 4 {
+		panic("review2: Unwrap panics")
+	}
+	return nil
+}
+
+// convert tells an ignored type with errors.Is under the converter's guard,
+// and ingest runs no more of the error's methods: a panic in them would
+// escape the stream reader (Run to its caller; on Start's reader, the
+// process).
+func TestConverterErrorMethodsRunUnderTheGuard(t *testing.T) {
+	conv := ConverterFunc(func(typeurl.Any) (string, any, error) { return "k", nil, &flakyUnwrapErr{} })
+	h := newHarness(t, newRecorder(), WithConverter(conv))
+	stream := newFakeStream()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	escaped := make(chan any, 1)
+	go func() {
+		defer func() { escaped <- recover() }()
+		_ = h.m.Run(ctx, stream)
+	}()
+	sub := <-stream.newSub
+	sub.send(t, envelope(t, "", wrapperspb.String("c1")))
+	waitFor(t, func() bool {
+		select {
+		case r := <-escaped:
+			escaped <- r
+			return true
+		default:
+		}
+		return h.m.Stats().Dropped == 1
+	}, "the envelope was neither dropped nor did Run end")
+	select {
+	case r := <-escaped:
+		assert.Nil(t, r, "a panic in the converter's error escaped Run")
+	default:
+		cancel()
+		assert.Nil(t, <-escaped)
+	}
+	assertBalanced(t, h.m.Stats())
+}
+
+// printingMetrics prints every HandlerDone, for a child process's output.
+type printingMetrics struct{}
+
+func (printingMetrics) HandlerDone(_ time.Duration, err error) { fmt.Printf("HANDLERDONE %v\n", err) }
+func (printingMetrics) Recovered(time.Duration)                {}
+func (printingMetrics) Dropped(error, int)                     {}
+
+// A log hook's panic on the retry line is the process's (doc.go), and goes
+// on unchanged: handle's Goexit path does not settle the call and run the
+// report's user code (Metrics, drop handler, log) while the process is
+// crashing, where a blocking callback would keep the crash from happening.
+func TestARetryLinePanicIsNotSettledAsAGoexit(t *testing.T) {
+	const env = "REVIEW2_RETRY_PANIC_CHILD"
+	if os.Getenv(env) == "1" {
+		clk := testclock.NewFakeClock(epoch)
+		r := newRecorder()
+		r.fail(ev{"a", 1}, 1)
+		lg, _ := endingLogger("retrying backed-off events", func() { panic("review2: log hook panics") })
+		m, err := New(r, WithClock(clk), WithLogger(lg), WithMetrics(printingMetrics{}))
+		require.NoError(t, err)
+		require.NoError(t, m.Submit("a", ev{"a", 1}))
+		require.NoError(t, m.WaitIdle(context.Background()))
+		clk.Step(time.Second)
+		select {} // the panic ends the process
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestARetryLinePanicIsNotSettledAsAGoexit$", "-test.count=1")
+	cmd.Env = append(os.Environ(), env+"=1")
+	out, _ := cmd.CombinedOutput()
+	require.NoError(t, ctx.Err(), "the child hung:\n%s", out)
+	require.Contains(t, string(out), "panic: review2: log hook panics", "%s", out)
+	assert.Equal(t, 1, strings.Count(string(out), "HANDLERDONE"),
+		"only the first call was made and reported; the crashing retry was settled as a Goexit:\n%s", out)
 }

@@ -6,9 +6,11 @@ import (
 )
 
 // NextRetry returns when the next backoff replay is due, and false if no
-// key waits in backoff. A key given Backoff during its call waits (and
-// shows here) only once the call ends: call WaitIdle first. A held monitor
-// (WithDeferredStart) replays nothing until it starts, even when due.
+// key is waiting in backoff. A key given Backoff while its call runs is
+// due the initial delay from that Backoff, but waits (and shows here) only
+// once the call ends, replaying at once if that time has passed: call
+// WaitIdle first. A held monitor (WithDeferredStart) replays nothing until
+// Start, Run or Shutdown, even when that time comes.
 func (m *Monitor) NextRetry() (time.Time, bool) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -20,21 +22,26 @@ func (m *Monitor) NextRetry() (time.Time, bool) {
 
 // WaitIdle waits until the monitor has done all it can: no call running or
 // being settled, no key waiting for a worker, no envelope or exit being
-// taken in, no replay due at the clock's now, and the timer set for the
-// next retry, if any. Keys waiting for a later retry remain (NextRetry). A
-// held monitor (WithDeferredStart) is idle with its events queued; an
-// overrunning call keeps the monitor busy until it returns.
+// accepted (read, converted or built, and queued or dropped),
+// no replay due at the clock's now, and a timer set no later than the next
+// retry (none if no key waits: only Run, waiting to re-subscribe or before
+// a resync, may then hold a fake clock's waiter).
+// Keys waiting for a later retry remain (see NextRetry). A held monitor
+// (WithDeferredStart) is idle with its events queued, and times no retry;
+// an overrunning call keeps it busy until it returns.
 //
-// It returns ctx's error if ctx ends first, and ErrStopped if a stop began
-// with such work left while it waited, or is under way with work left: the
-// stop may finish or drop that work (the drop handler and Stats say
-// which). Called once a stop has emptied the monitor, it returns nil.
+// It returns ctx's error if ctx ends first, and ErrStopped if a stop (Stop,
+// or Shutdown's) began while it waited with such work left, or if the
+// monitor is stopping with work left: the stop may have finished that work
+// or dropped it (the drop handler and Stats say which). Once a stop has
+// emptied the monitor, WaitIdle returns nil.
 //
-// It is the sync point of fake-clock tests (see package eventmonitortest):
-// Submit, WaitIdle, step the clock to NextRetry, WaitIdle again. An
+// It is the sync point of fake-clock tests: Submit, WaitIdle, step the
+// clock to NextRetry, WaitIdle again (see package eventmonitortest). An
 // envelope or exit may be taken off its channel an instant before it is
-// counted: such tests also wait for Stats().Received, or use
-// testing/synctest. Do not call it from a handler or a callback.
+// noted: such tests also wait for Stats().Received (or use
+// testing/synctest). Do not call WaitIdle from a handler, which it would
+// wait for, nor from a callback Stop waits for (see Stop).
 func (m *Monitor) WaitIdle(ctx context.Context) error {
 	ctx, done := m.waitingOn(ctx)
 	defer done()

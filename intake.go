@@ -53,9 +53,8 @@ func (m *Monitor) ingest(ctx context.Context, env *Envelope) {
 	if env != nil {
 		it.origin = &origin{env.Topic, env.Namespace}
 	}
-	key, event, url, err := m.convert(env)
+	key, event, ignored, url, err := m.convert(env)
 	it.event = event
-	ignored := errors.Is(err, ErrUnsupportedEvent)
 	m.mu.Lock()
 	var drops []Drop
 	switch {
@@ -99,28 +98,30 @@ func (m *Monitor) endAccepting() {
 	m.mu.Unlock()
 }
 
-// convert filters env by namespace and runs the converter, returning the
-// payload's type URL too if the converter does not key its type. A panic
-// (say, in a key function, or in errors.Is) becomes ErrInvalidEvent; any
-// other error that wraps none of ErrUnsupportedEvent, ErrDecode and
-// ErrInvalidEvent is wrapped in ErrDecode, and comes with no event.
-func (m *Monitor) convert(env *Envelope) (key string, event any, url string, err error) {
+// convert filters env by namespace and runs the converter. ignored: it has
+// no key for the payload's type, whose URL comes too, for the log line (a
+// panic in the payload's GetTypeUrl leaves it out). A panic, in a key
+// function or in errors.Is running the error's own methods, becomes
+// ErrInvalidEvent; any other error that wraps none of ErrUnsupportedEvent,
+// ErrDecode and ErrInvalidEvent is wrapped in ErrDecode, and comes with no
+// event.
+func (m *Monitor) convert(env *Envelope) (key string, event any, ignored bool, url string, err error) {
 	switch {
 	case env == nil:
-		return "", nil, "", fmt.Errorf("%w: nil envelope", ErrInvalidEvent)
+		return "", nil, false, "", fmt.Errorf("%w: nil envelope", ErrInvalidEvent)
 	case m.cfg.namespace != "" && env.Namespace != m.cfg.namespace:
-		return "", nil, "", errFiltered
+		return "", nil, false, "", errFiltered
 	case env.Event == nil:
-		return "", nil, "", fmt.Errorf("%w: nil payload", ErrInvalidEvent)
+		return "", nil, false, "", fmt.Errorf("%w: nil payload", ErrInvalidEvent)
 	}
 	err = errOnPanic(errConverterPanic, func() (err error) {
 		key, event, err = m.cfg.converter.Convert(env.Event)
 		err = checked(err)
+		ignored = errors.Is(err, ErrUnsupportedEvent)
 		switch {
 		case err == nil && event == nil:
 			err = fmt.Errorf("%w: converter returned a nil event", ErrInvalidEvent)
-		case errors.Is(err, ErrUnsupportedEvent):
-			// Only for the log line: a panic in the payload's code here leaves it out.
+		case ignored:
 			recovering(func() { url = env.Event.GetTypeUrl() })
 		case err != nil && !errors.Is(err, ErrDecode) && !errors.Is(err, ErrInvalidEvent):
 			err = fmt.Errorf("%w: %w", ErrDecode, err) // a Drop's reason wraps a sentinel
@@ -130,5 +131,5 @@ func (m *Monitor) convert(env *Envelope) (key string, event any, url string, err
 	if err != nil {
 		event = nil // not an event, whatever came beside the error: its Drop holds none
 	}
-	return key, event, url, err
+	return key, event, ignored, url, err
 }

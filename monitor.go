@@ -31,9 +31,10 @@ const (
 func (s lifecycle) accepts() bool { return s == held || s == running }
 func (s lifecycle) handles() bool { return s == running || s == draining }
 
-// intakeEnded reports whether Shutdown or Stop was called: from then on
-// only the stream reader's envelope in hand is accepted, until the drain
-// begins. mu need not be held.
+// intakeEnded reports whether Shutdown or Stop was called. It turns true
+// before the state changes; in between, accept still takes envelopes the
+// stream reader holds, and Shutdown waits for the reader to notice. mu
+// need not be held.
 func (m *Monitor) intakeEnded() bool { return m.intake.Err() != nil }
 
 // releaseHold ends WithDeferredStart's hold. mu is held.
@@ -52,8 +53,9 @@ type Monitor struct {
 	handler Handler
 	base    context.Context // parent of every handler's ctx: carries the logger
 
-	// mu guards the fields from cond to abandonedDrops. Every change ends
-	// in reconcile, which also wakes whoever waits on cond.
+	// mu guards the fields from cond to abandonedDrops; every change that
+	// can start work or unblock a waiter ends in reconcile, which also
+	// wakes all who wait on cond.
 	mu        sync.Mutex
 	cond      sync.Cond
 	state     lifecycle
@@ -182,9 +184,9 @@ func (m *Monitor) replayDue(k *keyq.Key[item]) bool {
 }
 
 // Submit hands the monitor an event that did not come from its stream (a
-// relist, an exit). Accepted (nil error), it is handled, ignored, forgotten
-// or dropped, and in Stats' gauges until then. Refused, the caller keeps
-// it: ErrStopped once Shutdown or Stop was called, ErrQueueFull,
+// relist, an exit). Once accepted (nil error) it is handled, ignored,
+// forgotten or dropped, and in Stats' gauges until then; refused, the
+// caller keeps it: ErrStopped once Shutdown or Stop began, ErrQueueFull,
 // ErrInvalidEvent.
 func (m *Monitor) Submit(key string, event any) error {
 	m.mu.Lock()
@@ -198,8 +200,8 @@ func (m *Monitor) Submit(key string, event any) error {
 
 // Backoff puts event straight into key's backoff queue, behind what the key
 // already holds. A key not yet in backoff waits the initial delay from now,
-// and so does one replaying, once its replay is done. An event the monitor
-// cannot take (stopped, full, invalid) goes to the drop handler.
+// and so does one replaying, though not before its replay is done. An event
+// the monitor cannot take (stopped, full, invalid) goes to the drop handler.
 func (m *Monitor) Backoff(key string, event any) {
 	it := item{event: event}
 	m.mu.Lock()
@@ -221,9 +223,9 @@ const (
 	streamed                // an envelope the stream reader took
 )
 
-// accept validates an event and queues it. Once Shutdown or Stop was
-// called it takes only the stream reader's envelope, and only until the
-// drain begins. mu is held.
+// accept validates an event and queues it; once Shutdown or Stop was
+// called, only an envelope the stream reader holds (see intakeEnded), and
+// only until the drain begins. mu is held.
 func (m *Monitor) accept(key string, it item, from source) (*keyq.Key[item], error) {
 	switch {
 	case !m.state.accepts(), from != streamed && m.intakeEnded():
@@ -259,8 +261,8 @@ func (m *Monitor) InBackoff(key string) bool {
 
 // Forget removes and returns, in order, every event of key not yet started
 // (in backoff or waiting for a worker), for when the object behind key is
-// gone. A call in progress goes on; if it is a replay's, the key stays in
-// backoff until it ends, and if it fails, its event backs off as usual.
+// gone. A call in progress goes on. If it is a replay's, the key stays in
+// backoff until it ends; if it fails, its event backs off as usual.
 func (m *Monitor) Forget(key string) []any {
 	m.mu.Lock()
 	defer m.mu.Unlock()

@@ -11,9 +11,10 @@ import (
 // The scheduler times two things: backoff queues coming due (reconcile
 // replays them) and calls reaching their deadline (expire ends their ctx)
 // or overrunning it. One clock timer is set for the earliest, under mu, by
-// whoever changes what is due (retime, from reconcile). One goroutine,
-// started with the first timer and ended by Stop, runs a pass each time it
-// fires. An idle monitor holds no timer.
+// whoever changes what is due (retime, from reconcile). One goroutine at a
+// time (started with the first timer, ended by Stop, replaced if a log
+// hook ends it) runs a pass each time the timer fires or it is poked. An
+// idle monitor holds no timer.
 
 // schedulerState is guarded by Monitor.mu.
 type schedulerState struct {
@@ -136,17 +137,7 @@ func (m *Monitor) poke() {
 // schedule is the scheduler's goroutine: a pass each time the timer fires or
 // it is poked, until Stop left nothing to time.
 func (m *Monitor) schedule(fired <-chan time.Time) {
-	left := false
-	defer func() {
-		if !left { // a log hook ended the goroutine (runtime.Goexit): a new scheduler takes over
-			m.mu.Lock()
-			m.sched.disarm()
-			m.sched.timer = nil
-			m.reconcile()
-			m.mu.Unlock()
-		}
-		m.watchers.Done()
-	}()
+	defer m.watchers.Done()
 	for {
 		timerFired := false
 		select {
@@ -169,7 +160,6 @@ func (m *Monitor) schedule(fired <-chan time.Time) {
 		m.mu.Unlock()
 		m.logOverruns(lines)
 		if done {
-			left = true
 			return
 		}
 	}
@@ -234,8 +224,23 @@ func (m *Monitor) overruns(stuck []*call, now time.Time) (lines []overrun) {
 	return lines
 }
 
-// logOverruns logs overruns' lines without mu: a log hook is user code.
+// logOverruns logs overruns' lines without mu: a log hook is user code. If
+// a hook ends the scheduler's goroutine (runtime.Goexit), a new scheduler
+// takes over; a hook's panic is the process's.
 func (m *Monitor) logOverruns(lines []overrun) {
+	logged := false
+	defer func() {
+		if r := recover(); r != nil {
+			panic(r)
+		}
+		if !logged {
+			m.mu.Lock()
+			m.sched.disarm()
+			m.sched.timer = nil // so that retime starts a new scheduler
+			m.reconcile()
+			m.mu.Unlock()
+		}
+	}()
 	for _, o := range lines {
 		entry := m.cfg.logger.WithFields(o.fields)
 		entry.Warn("event handler overran its timeout; its key stays held until it returns or Stop abandons it")
@@ -244,4 +249,5 @@ func (m *Monitor) logOverruns(lines []overrun) {
 				Error("too many handler calls overrunning their timeout (WithMaxOverruns): this one keeps its worker until a replaced call returns")
 		}
 	}
+	logged = true
 }

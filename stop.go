@@ -11,17 +11,23 @@ import (
 
 // Stop ends intake, cancels every call in progress and waits for them to
 // return, abandoning (and dropping the event of) a call that overruns (see
-// WithHandleTimeout), so that it returns within about the handle timeout
-// on the monitor's clock whatever handlers do. Every event left, queued or
-// in backoff, then goes to the drop handler with ErrStopped. Stop is
-// idempotent and safe for concurrent use.
+// WithHandleTimeout): it returns within about the handle timeout whatever
+// handlers do, as the monitor's clock counts it (with a fake clock, a
+// handler that ignores its ctx holds Stop until the test steps the clock).
+// Every event left, queued or in backoff, then goes to the drop handler
+// with ErrStopped. Stop is idempotent and safe for concurrent use.
 //
-// Stop also waits for what is under way outside the handler (a returned
-// call's report, an envelope being converted, an exit being read or
-// built), so it must not be called from a handler or from any callback
-// (drop handler, Metrics, log hook, converter, exit builder, Result):
-// call go m.Stop() there. An envelope Run's reader takes as Stop returns
-// is dropped with ErrStopped, maybe just after.
+// Stop also waits for what is already under way outside the handler: the
+// reports of returned calls, envelopes being taken and exits being read,
+// so a blocking drop handler, logger, Metrics, converter, exit builder or
+// ExitStatus.Result holds it up, and so does a returned error whose Error
+// method blocks when the report logs it. An envelope Run's reader takes
+// as Stop returns is dropped with ErrStopped, maybe just after.
+//
+// Do not call Stop from a handler, which it would wait for until it
+// overruns (forever, without a timeout), nor from the drop handler,
+// Metrics, a log hook, a converter, an exit builder or ExitStatus.Result,
+// which it may be waiting for: call go m.Stop() there.
 func (m *Monitor) Stop() { m.stop(context.Background()) }
 
 // stop is Stop, also abandoning every call still running once ctx, from
@@ -115,27 +121,32 @@ func (m *Monitor) finishStop() {
 }
 
 // Shutdown stops intake (Submit, Backoff and exits are refused with
-// ErrStopped; what the stream reader takes until it sees that is queued),
-// handles everything queued, replays every backoff queue once at once,
-// then Stops. An event failing meanwhile, or still waiting at the stop, is
-// dropped with ErrStopped. Overrunning calls do not hold it up: once
-// nothing else can move, it stops. If ctx ends first, it stops at once,
-// abandoning every call in progress (then waits for the rest as Stop does).
+// ErrStopped; it waits for the stream reader to see intake end, queueing
+// what it takes until then), handles everything queued, replays every
+// backoff queue once at once, then Stops. An event failing meanwhile, or
+// still waiting at the stop, is dropped with ErrStopped. Overrunning calls
+// do not hold it up: once nothing else can move, it stops. If ctx ends
+// first it stops at once, abandoning every call in progress; what else
+// Stop waits for (a returned call's report, a converter, an exit being
+// read or built) it still waits for.
 //
 // Its result, the first of these that applies:
-//   - an error wrapping ctx's error, if ctx's end cut the drain short
-//     (calls not yet overrunning, events left, or the stream reader
-//     still reading), or its stop abandoned a call as ctx ended;
-//   - nil, if a Stop had begun before it was called: what that Stop
-//     loses is its own;
+//   - an error wrapping ctx's error, if ctx's end is what stopped the
+//     drain before it was done (handlers not yet overrunning still
+//     running, events left, or the stream reader not yet done: it may take
+//     an envelope, which the stop drops), or its stop abandoned a call as
+//     ctx ended;
+//   - nil, if a Stop had begun before it was called: what that Stop loses
+//     is its own;
 //   - an error wrapping ErrStopped that says what its drain lost: calls
-//     abandoned, events that stuck calls held back and the stop dropped,
-//     or a stop (Stop, or another Shutdown whose ctx ended) that began
-//     first and cut the drain short;
+//     abandoned (as they overran, or by another stop), events that stuck
+//     calls held back and the stop dropped, or a stop that began first and
+//     cut the drain short: a Stop, or another Shutdown whose ctx ended,
+//     even if this one's ctx (say, the same) had ended too;
 //   - nil: the drain was done.
 //
-// Events that fail during the drain go to the drop handler, not into the
-// error.
+// An event that fails during the drain goes to the drop handler; it is not
+// in the error.
 func (m *Monitor) Shutdown(ctx context.Context) error {
 	ctx, done := m.waitingOn(ctx)
 	defer done()
