@@ -131,31 +131,25 @@ func (m *Monitor) work(c *call) {
 
 // handle makes call c and returns the next call for its slot (see release).
 func (m *Monitor) handle(c *call) (next *call) {
-	exited := true
-	defer func() {
-		if r := recover(); r != nil {
-			panic(r) // not the handler's (invoke recovers those): a log hook's, the process's
+	began, ignored := false, false
+	var err error
+	onGoexit(func() {
+		if c.replayStart {
+			m.logRetry(c) // before the CAS: Stop may still withdraw a call held up here
 		}
-		if exited {
-			m.settleExited(c)
+		if began = c.progress.CompareAndSwap(notBegun, invoked); began {
+			ignored, err = m.invoke(c)
 		}
-	}()
-	if c.replayStart {
-		m.logRetry(c) // before the CAS: Stop may still withdraw a call held up here
-	}
-	if !c.progress.CompareAndSwap(notBegun, invoked) {
-		exited = false
+	}, func() { m.settleExited(c) })
+	if !began {
 		return nil // Stop withdrew it before it began, and accounted for it
 	}
-	ignored, err := m.invoke(c)
-	exited = false
 	return m.finish(c, ignored, err)
 }
 
 // settleExited settles call c, whose goroutine is ending (runtime.Goexit)
 // in the handler or in the retry line's log hook, as a failure (finish
 // leaves one Stop gave up on alone), and a new goroutine takes its slot on.
-// A panic passing handle's defer never comes here.
 func (m *Monitor) settleExited(c *call) {
 	if next := m.finish(c, false, errHandlerExited); next != nil {
 		go m.work(next)
@@ -223,19 +217,11 @@ func (m *Monitor) reportThenRelease(c *call, err error, end time.Time, out outco
 		defer m.mu.Unlock()
 		return m.release(c, out)
 	}
-	reported := false
-	defer func() {
-		if r := recover(); r != nil {
-			panic(r) // a log hook's: the process's
+	onGoexit(func() { m.report(c, err, end, out, wasOverrun) }, func() {
+		if next := release(); next != nil {
+			go m.work(next)
 		}
-		if !reported {
-			if next := release(); next != nil {
-				go m.work(next)
-			}
-		}
-	}()
-	m.report(c, err, end, out, wasOverrun)
-	reported = true
+	})
 	return release()
 }
 

@@ -58,8 +58,8 @@ var (
 //
 // A handler ending its goroutine (runtime.Goexit, as t.FailNow does) fails
 // its event. Other callbacks should not; where one does, the goroutine's
-// bookkeeping is deferred so that no key, slot or place stays held (see
-// doc.go), and what it had left to do is not done.
+// bookkeeping is deferred (onGoexit, or a defer) so that no key, slot or
+// place stays held (see doc.go), and what it had left to do is not done.
 
 // recovering runs fn and recovers its panic: ok reports whether fn
 // returned, which also tells a panic(nil) under GODEBUG=panicnil=1. A
@@ -73,6 +73,33 @@ func recovering(fn func()) (r any, ok bool) {
 	}()
 	fn()
 	return nil, true
+}
+
+// onGoexit runs fn, which calls user code. If fn ends the goroutine
+// (runtime.Goexit), rest runs as it unwinds, to release what the goroutine
+// holds. A panic goes on unchanged and skips rest; so does a panic(nil)
+// that recover stopped (GODEBUG=panicnil=1), raised again.
+func onGoexit(fn, rest func()) {
+	returned, panicking := false, false
+	defer func() {
+		if !returned && !panicking {
+			rest()
+		}
+	}()
+	func() {
+		defer func() {
+			if r := recover(); r != nil {
+				panicking = true
+				panic(r) // its frames are still on the stack
+			}
+		}()
+		fn()
+		returned = true
+	}()
+	if !returned { // back here without fn returning: recover stopped a panic(nil)
+		panicking = true
+		panic(nil)
+	}
 }
 
 // errOnPanic returns fn's error or, if fn panicked, one wrapping wrap.

@@ -435,7 +435,7 @@ func (*goexitEveryOtherSuccess) Dropped(error, int)      {}
 // on a STATE line, which must say ok. If mayCrash, the child may instead
 // crash with "panic: nil": a nil panic in the log's user code goes on as
 // any panic through the guard does
-// (TestAPanicThroughTheGoexitGuardIsNotTakenForAGoexit).
+// (TestARetryLinePanicIsNotSettledAsAGoexit).
 func inPanicNilChild(t *testing.T, name string, mayCrash bool, scenario func(t *testing.T) (state string, ok bool)) {
 	const env = "EVENTMONITOR_PANIC_NIL_CHILD"
 	if os.Getenv(env) == name {
@@ -877,8 +877,7 @@ func TestGoexitInTheDropHandlerOnStartsReaderIsReported(t *testing.T) {
 // read exit status" line crashes the watcher's goroutine, as any unguarded
 // panic does, without the drop handler first being told of a Goexit.
 func TestAPanicThroughAnExitsReadingIsNotTakenForAGoexit(t *testing.T) {
-	const env = "EVENTMONITOR_EXIT_PANIC_CHILD"
-	if os.Getenv(env) == "1" {
+	if inCrashChild(t) {
 		lg, _ := endingLogger("cannot read exit status", func() { panic("log hook panics") })
 		m, err := New(newRecorder(), WithLogger(lg),
 			WithDropHandler(func(d Drop) { fmt.Printf("DROP-HANDLER-CALLED: %v\n", d.Reason) }))
@@ -898,13 +897,9 @@ func TestAPanicThroughAnExitsReadingIsNotTakenForAGoexit(t *testing.T) {
 		_ = m.WaitIdle(ctx)
 		return
 	}
-	cmd := exec.Command(os.Args[0], "-test.run=^TestAPanicThroughAnExitsReadingIsNotTakenForAGoexit$", "-test.count=1")
-	cmd.Env = append(os.Environ(), env+"=1")
-	out, err := cmd.CombinedOutput()
-	var exit *exec.ExitError
-	require.True(t, errors.As(err, &exit), "the child should crash on the hook's panic: %v\n%s", err, out)
-	assert.Contains(t, string(out), "log hook panics")
-	assert.NotContains(t, string(out), "DROP-HANDLER-CALLED",
+	out := runCrashChild(t)
+	assert.Contains(t, out, "panic: log hook panics", "the child should crash on the hook's panic:\n%s", out)
+	assert.NotContains(t, out, "DROP-HANDLER-CALLED",
 		"user code ran mid-panic, told of a Goexit for a panic:\n%s", out)
 }
 

@@ -817,7 +817,7 @@ func (c *panickyClock) Now() time.Time {
 		for {
 			f, more := frames.Next()
 			if f.Function == "github.com/eventmonitor/eventmonitor.(*Monitor).schedule" {
-				panic("review2: the clock broke in the scheduler's pass")
+				panic("the clock broke in the scheduler's pass")
 			}
 			if !more {
 				break
@@ -832,8 +832,7 @@ func (c *panickyClock) Now() time.Time {
 // scheduler's hand-over after a log hook's Goexit does not take it for one
 // (it would take mu again and hang the monitor silently).
 func TestAPanicUnderMuInTheSchedulerCrashes(t *testing.T) {
-	const env = "REVIEW2_SCHEDULER_PANIC_CHILD"
-	if os.Getenv(env) == "1" {
+	if inCrashChild(t) {
 		clk := &panickyClock{FakeClock: testclock.NewFakeClock(epoch)}
 		r := newRecorder()
 		r.fail(ev{"a", 1}, 1)
@@ -846,13 +845,27 @@ func TestAPanicUnderMuInTheSchedulerCrashes(t *testing.T) {
 		fmt.Println("CHILD: stepped; a crash should follow")
 		select {} // the panic ends the process, or nothing ever does
 	}
+	out := runCrashChild(t) // a hang: mu never released, the panic never printed
+	assert.Contains(t, out, "panic: the clock broke", "%s", out)
+}
+
+// crashChildEnv names the test whose child process this is (runCrashChild).
+const crashChildEnv = "EVENTMONITOR_CRASH_CHILD"
+
+// inCrashChild reports whether this process is the child runCrashChild
+// started for t, to run t's scenario, which should crash it.
+func inCrashChild(t *testing.T) bool { return os.Getenv(crashChildEnv) == t.Name() }
+
+// runCrashChild runs t again in a child process, where inCrashChild is
+// true, and returns its output; it fails t if the child runs 10 s.
+func runCrashChild(t *testing.T) string {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestAPanicUnderMuInTheSchedulerCrashes$", "-test.count=1")
-	cmd.Env = append(os.Environ(), env+"=1")
+	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^"+t.Name()+"$", "-test.count=1")
+	cmd.Env = append(os.Environ(), crashChildEnv+"="+t.Name())
 	out, _ := cmd.CombinedOutput()
-	require.NoError(t, ctx.Err(), "the child hung (mu never released, the panic never printed):\n%s", out)
-	assert.Contains(t, string(out), "panic: review2: the clock broke", "%s", out)
+	require.NoError(t, ctx.Err(), "the child hung:\n%s", out)
+	return string(out)
 }
 
 // flakyUnwrapErr's Unwrap panics from its fourth call on: a stateful
@@ -863,7 +876,7 @@ type flakyUnwrapErr struct{ calls atomic.Int32 }
 func (e *flakyUnwrapErr) Error() string { return "flaky" }
 func (e *flakyUnwrapErr) Unwrap() error {
 	if e.calls.Add(1) >= 4 {
-		panic("review2: Unwrap panics")
+		panic("Unwrap panics")
 	}
 	return nil
 }
@@ -916,12 +929,11 @@ func (printingMetrics) Dropped(error, int)                     {}
 // report's user code (Metrics, drop handler, log) while the process is
 // crashing, where a blocking callback would keep the crash from happening.
 func TestARetryLinePanicIsNotSettledAsAGoexit(t *testing.T) {
-	const env = "REVIEW2_RETRY_PANIC_CHILD"
-	if os.Getenv(env) == "1" {
+	if inCrashChild(t) {
 		clk := testclock.NewFakeClock(epoch)
 		r := newRecorder()
 		r.fail(ev{"a", 1}, 1)
-		lg, _ := endingLogger("retrying backed-off events", func() { panic("review2: log hook panics") })
+		lg, _ := endingLogger("retrying backed-off events", func() { panic("log hook panics") })
 		m, err := New(r, WithClock(clk), WithLogger(lg), WithMetrics(printingMetrics{}))
 		require.NoError(t, err)
 		require.NoError(t, m.Submit("a", ev{"a", 1}))
@@ -929,13 +941,8 @@ func TestARetryLinePanicIsNotSettledAsAGoexit(t *testing.T) {
 		clk.Step(time.Second)
 		select {} // the panic ends the process
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestARetryLinePanicIsNotSettledAsAGoexit$", "-test.count=1")
-	cmd.Env = append(os.Environ(), env+"=1")
-	out, _ := cmd.CombinedOutput()
-	require.NoError(t, ctx.Err(), "the child hung:\n%s", out)
-	require.Contains(t, string(out), "panic: review2: log hook panics", "%s", out)
-	assert.Equal(t, 1, strings.Count(string(out), "HANDLERDONE"),
+	out := runCrashChild(t)
+	require.Contains(t, out, "panic: log hook panics", "%s", out)
+	assert.Equal(t, 1, strings.Count(out, "HANDLERDONE"),
 		"only the first call was made and reported; the crashing retry was settled as a Goexit:\n%s", out)
 }

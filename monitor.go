@@ -22,7 +22,7 @@ const MaxKeyLength = 4096
 type lifecycle uint8
 
 const (
-	held     lifecycle = iota // WithDeferredStart: accepts, handles and replays nothing
+	held     lifecycle = iota // WithDeferredStart: accepts, handles nothing, replays nothing
 	running                   // accepts and handles
 	draining                  // Shutdown: accepts nothing, handles what it holds
 	stopped                   // Stop began: accepts nothing, takes no key (a call taken before runs on, cancelled)

@@ -102,7 +102,9 @@ func (m *Monitor) arm(at time.Time) {
 const armTries = 4
 
 // overdue reports whether the timer is set for now or earlier: it fired and
-// its pass is yet to run, or a fake clock passed it unseen. mu is held.
+// its pass is yet to run, or a fake clock passed it unseen. The timer is
+// never later than what it times, so one not overdue leaves nothing due.
+// mu is held.
 func (s *schedulerState) overdue(now time.Time) bool {
 	return !s.at.IsZero() && !s.at.After(now)
 }
@@ -228,26 +230,24 @@ func (m *Monitor) overruns(stuck []*call, now time.Time) (lines []overrun) {
 // a hook ends the scheduler's goroutine (runtime.Goexit), a new scheduler
 // takes over; a hook's panic is the process's.
 func (m *Monitor) logOverruns(lines []overrun) {
-	logged := false
-	defer func() {
-		if r := recover(); r != nil {
-			panic(r)
+	onGoexit(func() {
+		for _, o := range lines {
+			entry := m.cfg.logger.WithFields(o.fields)
+			entry.Warn("event handler overran its timeout; its key stays held until it returns or Stop abandons it")
+			if o.limited {
+				entry.WithField("limit", m.cfg.maxOverruns).
+					Error("too many handler calls overrunning their timeout (WithMaxOverruns): this one keeps its worker until a replaced call returns")
+			}
 		}
-		if !logged {
-			m.mu.Lock()
-			m.sched.disarm()
-			m.sched.timer = nil // so that retime starts a new scheduler
-			m.reconcile()
-			m.mu.Unlock()
-		}
-	}()
-	for _, o := range lines {
-		entry := m.cfg.logger.WithFields(o.fields)
-		entry.Warn("event handler overran its timeout; its key stays held until it returns or Stop abandons it")
-		if o.limited {
-			entry.WithField("limit", m.cfg.maxOverruns).
-				Error("too many handler calls overrunning their timeout (WithMaxOverruns): this one keeps its worker until a replaced call returns")
-		}
-	}
-	logged = true
+	}, m.replaceScheduler)
+}
+
+// replaceScheduler hands the timer to a new scheduler, for one whose
+// goroutine a log hook ended.
+func (m *Monitor) replaceScheduler() {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.sched.disarm()
+	m.sched.timer = nil // so that retime starts a new scheduler
+	m.reconcile()
 }

@@ -94,14 +94,15 @@ func (m *Monitor) Start() <-chan error {
 	go func() {
 		defer m.watchers.Done()
 		defer close(errCh)
-		err := errReaderExited // unless consume returns: a callback ended the goroutine (runtime.Goexit)
-		defer func() {
+		report := func(err error) {
 			if err != nil && !m.intakeEnded() {
 				errCh <- err
 				m.cfg.logger.WithError(err).Error("event stream failed")
 			}
-		}()
-		err = m.readSubscribed(sub)
+		}
+		var err error
+		onGoexit(func() { err = m.readSubscribed(sub) }, func() { report(errReaderExited) })
+		report(err)
 	}()
 	return errCh
 }
