@@ -1,332 +1,366 @@
 package eventmonitor
 
 import (
-	"context"
+	"fmt"
+	"math"
 	"testing"
 	"time"
 
-	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
 
-func TestOrderPerKeyUnderFailures(t *testing.T) {
-	r := newRecorder()
-	h := newHarness(t, r)
-	started, release := r.gate(ev{"a", 1})
-	r.fail(ev{"a", 2}, 1)
+// The per-key backoff queue on plain times: the monitor serialises every
+// call, so these tests need no goroutine and no clock.
 
-	h.submit(t, evs("a", 1, 2, 3, 4, 5)...)
-	<-started
-	release()
-	h.settled(t)
+var t0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 
-	// a/2 failed: it and everything behind it wait in backoff, in order.
-	require.True(t, h.m.InBackoff("a"))
-	p := h.pending("a")
-	assert.Equal(t, anys(evs("a", 2, 3, 4, 5)...), p.Events)
-	assert.Equal(t, 1, p.Attempts)
-	assert.Equal(t, epoch.Add(DefaultInitialBackoff), p.Due)
+func testPolicy() backoffPolicy { return backoffPolicy{initial: time.Second, max: time.Minute} }
 
-	// New events of a key in backoff join the tail instead of being handled.
-	h.submit(t, ev{"a", 6})
-	assert.Equal(t, anys(evs("a", 2, 3, 4, 5, 6)...), h.pending("a").Events)
-	assert.Equal(t, anys(ev{"a", 1}), r.handledList())
-
-	h.step(t, DefaultInitialBackoff)
-	assert.Equal(t, anys(evs("a", 1, 2, 3, 4, 5, 6)...), r.handledList(), "the replay handles everything")
-	assert.False(t, h.m.InBackoff("a"), "a leaves backoff")
-	assert.Equal(t, uint64(1), h.m.Stats().Retried)
-}
-
-func TestReplayStopsAtFirstFailureAndKeepsTheRest(t *testing.T) {
-	r := newRecorder()
-	h := newHarness(t, r)
-	r.fail(ev{"a", 1}, 1)
-	r.fail(ev{"a", 3}, 1)
-	started, release := r.gate(ev{"a", 1})
-	h.submit(t, evs("a", 1, 2, 3, 4)...)
-	<-started
-	release()
-	h.settled(t)
-	assert.Equal(t, anys(evs("a", 1, 2, 3, 4)...), h.pending("a").Events)
-
-	h.step(t, time.Second)
-	require.Equal(t, uint64(2), h.m.Stats().Failed, "a/3 fails in the replay")
-	// The replay handled a/1 and a/2, stopped at a/3 and kept a/3 and a/4.
-	// It made progress, so a/3 waits the initial delay, not a doubled one.
-	assert.Equal(t, anys(evs("a", 1, 2)...), r.handledList())
-	p := h.pending("a")
-	assert.Equal(t, anys(evs("a", 3, 4)...), p.Events)
-	assert.Equal(t, h.clock.Now().Add(time.Second), p.Due)
-
-	h.step(t, time.Second)
-	assert.Equal(t, anys(evs("a", 1, 2, 3, 4)...), r.handledList(), "the second replay succeeds")
-}
-
-// Only a replay that fails on the event that failed before doubles the
-// delay; one that handled events first starts over at the initial delay,
-// and doubles again from there if it then makes no progress.
-func TestDelayDoublesOnlyWithoutProgress(t *testing.T) {
-	r := newRecorder()
-	h := newHarness(t, r, WithBackoff(time.Second, time.Minute))
-	r.fail(ev{"a", 1}, 2) // fails, then fails its first replay: 1 s, then 2 s
-	r.fail(ev{"a", 2}, 2) // after a/1 succeeds: 1 s (progress), then 2 s (none)
-	h.submit(t, evs("a", 1, 2, 3)...)
-
-	for i, want := range []time.Duration{1, 2, 1, 2} {
-		h.settled(t)
-		p := h.pending("a")
-		require.Equal(t, want*time.Second, p.Due.Sub(h.clock.Now()), "delay after failure %d", i+1)
-		h.clock.Step(p.Due.Sub(h.clock.Now()))
-	}
-	h.settled(t)
-	assert.Equal(t, anys(evs("a", 1, 2, 3)...), r.handledList())
-}
-
-func TestDelayDoublesAndCaps(t *testing.T) {
-	r := newRecorder()
-	h := newHarness(t, r, WithBackoff(time.Second, 5*time.Second))
-	r.fail(ev{"a", 1}, 100)
-	h.submit(t, ev{"a", 1})
-
-	for i, want := range []time.Duration{1, 2, 4, 5, 5, 5} {
-		h.settled(t)
-		p := h.pending("a")
-		require.Equal(t, want*time.Second, p.Due.Sub(h.clock.Now()), "delay after failure %d", i+1)
-		require.Equal(t, i+1, p.Attempts)
-		h.clock.Step(p.Due.Sub(h.clock.Now()))
-	}
-}
-
-func TestDelayResetsAfterReplaySucceeds(t *testing.T) {
-	r := newRecorder()
-	h := newHarness(t, r)
-	r.fail(ev{"a", 1}, 2) // fails at first, and in the first replay: delay 2 s
-	h.submit(t, ev{"a", 1})
-	h.step(t, time.Second)
-	require.Equal(t, uint64(2), h.m.Stats().Failed, "the replay fails")
-	require.Equal(t, 2*time.Second, h.pending("a").Due.Sub(h.clock.Now()))
-
-	// The next replay runs a/1 while a/2 arrives; a/2 joined during the
-	// replay, so when it fails it starts over at the initial delay.
-	started, release := r.gate(ev{"a", 1})
-	r.fail(ev{"a", 2}, 1)
-	h.clock.Step(2 * time.Second)
-	<-started
-	h.submit(t, ev{"a", 2})
-	release()
-	h.settled(t)
-	require.Equal(t, uint64(3), h.m.Stats().Failed, "a/2 fails")
-	p := h.pending("a")
-	assert.Equal(t, anys(ev{"a", 2}), p.Events)
-	assert.Equal(t, time.Second, p.Due.Sub(h.clock.Now()), "delay must reset after a successful replay")
-}
-
-func TestJitterStaysInItsBand(t *testing.T) {
-	const keys = 200
-	r := newRecorder()
-	h := newHarness(t, r, WithJitter(0.25), WithWorkers(4))
-	for i := range keys {
-		e := ev{string(rune('A'+i%26)) + string(rune('a'+i/26)), 1}
-		r.fail(e, 1)
-		h.submit(t, e)
-	}
-	h.settled(t)
-	require.Equal(t, uint64(keys), h.m.Stats().Failed, "every key fails once")
-	seen := map[time.Duration]bool{}
-	for _, p := range h.m.Pending() {
-		d := p.Due.Sub(epoch)
-		assert.GreaterOrEqual(t, d, 750*time.Millisecond)
-		assert.LessOrEqual(t, d, 1250*time.Millisecond)
-		seen[d] = true
-	}
-	assert.Greater(t, len(seen), keys/2, "jitter should spread the due times")
-}
-
-func TestBackoffPutsEventStraightIntoBackoff(t *testing.T) {
-	r := newRecorder()
-	h := newHarness(t, r)
-	h.m.Backoff("a", ev{"a", 1})
-	require.True(t, h.m.InBackoff("a"))
-	h.submit(t, ev{"a", 2})
-	p := h.pending("a")
-	assert.Equal(t, anys(evs("a", 1, 2)...), p.Events)
-	assert.Equal(t, epoch.Add(time.Second), p.Due)
-	assert.Equal(t, 0, r.callCount())
-
-	h.step(t, time.Second)
-	assert.Equal(t, anys(evs("a", 1, 2)...), r.handledList(), "the replay handles both")
-}
-
-func TestForgetReturnsTheBackoffQueue(t *testing.T) {
-	r := newRecorder()
-	h := newHarness(t, r)
-	h.m.Backoff("a", ev{"a", 1})
-	h.m.Backoff("a", ev{"a", 2})
-	assert.Equal(t, anys(evs("a", 1, 2)...), h.m.Forget("a"))
-	assert.False(t, h.m.InBackoff("a"))
-	assert.Empty(t, h.m.Pending())
-	assert.Nil(t, h.m.Forget("a"))
-	s := h.m.Stats()
-	assert.Equal(t, uint64(2), s.Forgotten)
-	assert.Zero(t, s.KeysInBackoff)
-	assert.Zero(t, s.EventsInBackoff)
-
-	// Nothing fires for the forgotten key.
-	h.step(t, time.Hour)
-	h.submit(t, ev{"b", 1})
-	h.settled(t)
-	assert.Equal(t, anys(ev{"b", 1}), r.handledList())
-}
-
-// Forget during a replay's first call takes what was queued, but the key
-// stays in backoff until the call ends: the replay goes on, its
-// call the last, and a failure doubles the delay as without Forget. A
-// Shutdown whose ctx has ended abandons the call, which ends the replay.
-func TestForgetDuringAReplaysCallLeavesItTheReplays(t *testing.T) {
-	for _, end := range []string{"handled", "failed", "abandoned"} {
-		t.Run(end, func(t *testing.T) {
-			r := newRecorder()
-			h := newHarness(t, r, WithBackoff(time.Second, time.Minute), WithHandleTimeout(0))
-			r.fail(ev{"a", 1}, 1)
-			if end == "failed" {
-				r.fail(ev{"a", 1}, 2)
+func TestDelayDoublesPerFailureUpToTheCap(t *testing.T) {
+	for _, tc := range []struct {
+		name         string
+		initial, max time.Duration
+		want         []time.Duration // for attempts 1, 2, ...
+	}{
+		{"containerd's", time.Second, 5 * time.Minute, []time.Duration{1e9, 2e9, 4e9, 8e9, 16e9, 32e9, 64e9, 128e9, 256e9, 300e9, 300e9}},
+		{"initial is max", time.Second, time.Second, []time.Duration{1e9, 1e9, 1e9}},
+		{"an odd cap is reached exactly", 3, 13, []time.Duration{3, 6, 12, 13, 13}},
+		{"no overflow near the largest duration", math.MaxInt64 / 3, math.MaxInt64, []time.Duration{math.MaxInt64 / 3, 2 * (math.MaxInt64 / 3), math.MaxInt64, math.MaxInt64}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := backoffPolicy{initial: tc.initial, max: tc.max}
+			for i, want := range tc.want {
+				require.Equal(t, want, p.delay(i+1), "attempt %d", i+1)
 			}
-			h.submit(t, ev{"a", 1})
-			h.settled(t)
-			h.submit(t, ev{"a", 2}) // part of the replay
-			started, release := r.gate(ev{"a", 1})
-			defer release()
-			h.clock.Step(time.Second)
-			<-started
-			require.Equal(t, anys(ev{"a", 2}), h.m.Forget("a"))
-			s := h.m.Stats()
-			assertBalanced(t, s)
-			require.True(t, h.m.InBackoff("a"), "replaying, with no event left")
-			require.Equal(t, [2]int{1, 0}, [2]int{s.KeysInBackoff, s.EventsInBackoff})
-			switch end {
-			case "abandoned":
-				ctx, cancel := context.WithCancel(context.Background())
-				cancel()
-				require.ErrorIs(t, h.m.Shutdown(ctx), context.Canceled)
-				s := h.m.Stats()
-				assertBalanced(t, s)
-				require.Equal(t, [3]uint64{1, 1, 0}, [3]uint64{s.Dropped, s.Forgotten, uint64(s.KeysInBackoff + s.InFlight)})
-				require.False(t, h.m.InBackoff("a"))
-				return
-			case "handled":
-				release()
-				h.settled(t)
-				require.False(t, h.m.InBackoff("a"))
-				return
-			}
-			release()
-			h.settled(t)
-			p := h.pending("a")
-			require.Equal(t, [2]any{anys(ev{"a", 1}), 2}, [2]any{p.Events, p.Attempts})
-			require.Equal(t, h.clock.Now().Add(2*time.Second), p.Due, "the replay failed on its first event: doubled")
 		})
 	}
 }
 
-func TestDueHeapOrdersManyKeys(t *testing.T) {
-	r := newRecorder()
-	h := newHarness(t, r, WithBackoff(time.Second, time.Hour))
-	// Keys put in backoff one second apart replay one at a time, in due order.
-	for i := range 5 {
-		h.m.Backoff(string(rune('a'+i)), ev{string(rune('a' + i)), 1})
-		h.step(t, time.Second)
-		require.Len(t, r.handledList(), i+1, "key %d replayed", i)
+func TestJitterSpreadsWithinTheFraction(t *testing.T) {
+	p := backoffPolicy{initial: time.Second, max: time.Minute, jitter: 0.25}
+	lo, hi := time.Duration(math.MaxInt64), time.Duration(0)
+	for range 2000 {
+		d := p.dueAfter(t0, 8*time.Second).Sub(t0)
+		lo, hi = min(lo, d), max(hi, d)
 	}
-	got := r.handledList()
-	for i, e := range got {
-		assert.Equal(t, string(rune('a'+i)), e.(ev).Key)
+	require.GreaterOrEqual(t, lo, 6*time.Second)
+	require.LessOrEqual(t, hi, 10*time.Second)
+	require.Less(t, lo, 7*time.Second, "jitter spreads below the delay")
+	require.Greater(t, hi, 9*time.Second, "jitter spreads above the delay")
+
+	p.jitter = 0
+	require.Equal(t, t0.Add(8*time.Second), p.dueAfter(t0, 8*time.Second), "no jitter: exact")
+	p.jitter = 1
+	for range 100 {
+		require.Positive(t, p.dueAfter(t0, math.MaxInt64).Sub(t0), "a saturated delay stays positive")
+		require.Positive(t, p.dueAfter(t0, 1).Sub(t0), "a delay never shrinks to nothing")
 	}
 }
 
-// Guarantee (keyq next): the wait recorded by Backoff during a replay is
-// due the initial delay from the Backoff call, not from the replay's end:
-// a replay outlasting it leaves the event due at once, and WaitIdle sees
-// it handled with no timer or retry left.
-func TestBackoffDuringAReplayIsDueFromTheBackoffCall(t *testing.T) {
-	r := newRecorder()
-	h := newHarness(t, r, WithHandleTimeout(0))
-	r.fail(ev{"a", 1}, 1)
-	h.submit(t, ev{"a", 1})
-	h.settled(t)
-	started, release := r.gate(ev{"a", 1})
-	h.clock.Step(time.Second)
-	<-started
-	h.m.Backoff("a", ev{"a", 2})
-	h.clock.Step(5 * time.Second) // the replay outlasts the initial delay
-	release()
-	h.settled(t)
-	require.Equal(t, anys(ev{"a", 1}, ev{"a", 2}), r.handledList())
-	_, ok := h.m.NextRetry()
-	require.False(t, ok)
-	require.False(t, h.clock.HasWaiters())
+// events lists a key's queued events.
+func events(k *key) []any {
+	var out []any
+	for _, it := range k.events {
+		out = append(out, it.event)
+	}
+	return out
 }
 
-// The delay doubles only when a replay fails on the event that failed
-// before: with that event given up on (WithMaxAttempts), the next event's
-// first failure waits the initial delay.
-func TestDropInAReplayDoesNotDoubleTheNextFailure(t *testing.T) {
-	r := newRecorder()
-	h := newHarness(t, r, WithMaxAttempts(2))
-	r.fail(ev{"a", 1}, 2)
-	r.fail(ev{"a", 2}, 1)
-	h.submit(t, ev{"a", 1})
-	h.settled(t)
-	h.submit(t, ev{"a", 2}) // behind a/1 in backoff
-	h.step(t, DefaultInitialBackoff)
-	require.Len(t, h.drops.all(), 1, "a/1 failed again: given up on")
-	p := h.pending("a")
-	require.Equal(t, anys(ev{"a", 2}), p.Events)
-	require.Equal(t, 1, p.Attempts)
-	require.Equal(t, h.clock.Now().Add(DefaultInitialBackoff), p.Due,
-		"a/2 failed for the first time: it waits the initial delay")
+func TestKeysTakeTurnsAnEventEach(t *testing.T) {
+	s := newKeySet(testPolicy(), 0)
+	for _, e := range []string{"a1", "a2", "a3", "b1", "c1", "c2"} {
+		s.push(e[:1], item{event: e})
+	}
+	var order []any
+	for {
+		k, it := s.take()
+		if k == nil {
+			break
+		}
+		require.Equal(t, keyRunning, k.state)
+		order = append(order, it.event)
+		s.done(k)
+	}
+	require.Equal(t, []any{"a1", "b1", "c1", "a2", "c2", "a3"}, order)
+	require.Empty(t, s.byName, "keys with nothing left are forgotten")
+	requireConsistent(t, s)
 }
 
-// A failed event waits the initial delay from its failure even when
-// Backoff gave its key an earlier due time during the call: a long call
-// had passed that time, and the event was once retried at once.
-func TestFailureAfterABackoffDuringItsCallWaits(t *testing.T) {
-	r := newRecorder()
-	h := newHarness(t, r, WithHandleTimeout(0))
-	r.fail(ev{"a", 1}, 1)
-	started, release := r.gate(ev{"a", 1})
-	h.submit(t, ev{"a", 1})
-	<-started
-	h.m.Backoff("a", ev{"a", 2})  // due in 1 s
-	h.clock.Step(5 * time.Second) // a/1 runs for 5 s
-	release()                     // and fails
-	h.settled(t)
-	failedAt := epoch.Add(5 * time.Second)
-	require.Empty(t, r.handledList(), "nothing is due before %v", failedAt.Add(DefaultInitialBackoff))
-	require.Equal(t, failedAt.Add(DefaultInitialBackoff), h.pending("a").Due)
+func TestAFailedEventWaitsAtItsKeysHead(t *testing.T) {
+	s := newKeySet(testPolicy(), 0)
+	s.push("a", item{event: "a1"})
+	s.push("a", item{event: "a2"})
+	k, it := s.take()
+	it.attempts = 1
+	require.Equal(t, time.Second, s.failed(k, it, t0))
+	require.Equal(t, keyWaiting, k.state)
+	require.Equal(t, t0.Add(time.Second), k.due)
+	require.Equal(t, []any{"a1", "a2"}, events(k), "the failed event goes back to the head")
+	s.push("a", item{event: "a3"})
+	require.Equal(t, []any{"a1", "a2", "a3"}, events(k), "later events wait behind it")
+	k2, _ := s.take()
+	require.Nil(t, k2, "a waiting key is not ready")
+	requireConsistent(t, s)
+
+	it.attempts = 3
+	s.retryDue(t0.Add(time.Second), false)
+	k, _ = s.take()
+	require.Equal(t, 4*time.Second, s.failed(k, it, t0.Add(time.Second)), "the third failure waits 4x")
+	require.Equal(t, t0.Add(5*time.Second), k.due)
 }
 
-// NextRetry counts a key given Backoff while its call runs once the call
-// ended, as its doc says: WaitIdle first, then it agrees with Pending
-// (they once disagreed while the call ran, undocumented).
-func TestNextRetryCountsABackoffDuringACallOnceTheCallEnds(t *testing.T) {
-	r := newRecorder()
-	h := newHarness(t, r, WithBackoff(time.Second, time.Minute))
-	started, release := r.gate(ev{"a", 1})
-	defer release()
-	h.submit(t, ev{"a", 1})
-	<-started
-	h.m.Backoff("a", ev{"a", 2})
-	require.True(t, h.m.InBackoff("a"))
-	_, ok := h.m.NextRetry()
-	require.False(t, ok, "the key waits once its call ends")
+func TestRetryDueReleasesKeysInDueOrder(t *testing.T) {
+	s := newKeySet(testPolicy(), 0)
+	for i, name := range []string{"c", "a", "b"} {
+		s.push(name, item{event: name})
+		k, it := s.take()
+		it.attempts = 3 - i // c waits 4s, a 2s, b 1s
+		s.failed(k, it, t0)
+	}
+	require.Equal(t, t0.Add(time.Second), s.nextDue())
+	s.retryDue(t0.Add(time.Second-1), false)
+	k, _ := s.take()
+	require.Nil(t, k, "nothing is due a nanosecond early")
+	s.retryDue(t0.Add(2*time.Second), false)
+	var released []string
+	for k, _ := s.take(); k != nil; k, _ = s.take() {
+		released = append(released, k.name)
+		s.done(k)
+	}
+	require.Equal(t, []string{"b", "a"}, released, "due ones only, earliest first, exactly at their due time")
+	require.Equal(t, t0.Add(4*time.Second), s.nextDue())
+	s.retryDue(time.Time{}, true)
+	k, _ = s.take()
+	require.Equal(t, "c", k.name, "all: every waiting key")
+	require.True(t, s.nextDue().IsZero())
+	requireConsistent(t, s)
+}
 
-	release()
-	h.settled(t)
-	p := h.pending("a")
-	require.Equal(t, anys(ev{"a", 2}), p.Events)
-	at, ok := h.m.NextRetry()
+func TestPushBackoff(t *testing.T) {
+	backedOff := item{event: "b", attempts: 1}
+	for _, tc := range []struct {
+		name    string
+		prepare func(s *keySet) *key
+		want    time.Time // the key's due time once it waits
+	}{
+		{"an idle key waits the initial delay", func(s *keySet) *key { return nil }, t0.Add(time.Second)},
+		{"a ready key waits, its queued events too", func(s *keySet) *key {
+			s.push("k", item{event: "q"})
+			return nil
+		}, t0.Add(time.Second)},
+		{"a waiting key keeps its due time", func(s *keySet) *key {
+			s.push("k", item{event: "q"})
+			k, it := s.take()
+			it.attempts = 4
+			s.failed(k, it, t0.Add(-time.Second))
+			return nil
+		}, t0.Add(7 * time.Second)},
+		{"a running key waits once its call ends", func(s *keySet) *key {
+			s.push("k", item{event: "q"})
+			k, _ := s.take()
+			return k
+		}, t0.Add(time.Second)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := newKeySet(testPolicy(), 0)
+			running := tc.prepare(s)
+			s.pushBackoff("k", backedOff, t0)
+			k := s.byName["k"]
+			if running != nil {
+				require.Equal(t, keyRunning, k.state)
+				s.done(running)
+			}
+			require.Equal(t, keyWaiting, k.state)
+			require.Equal(t, tc.want, k.due)
+			require.Equal(t, "b", events(k)[len(k.events)-1], "the event joins the tail")
+			requireConsistent(t, s)
+		})
+	}
+}
+
+func TestAFailureDuringACallGivenBackoffWaitsTheLonger(t *testing.T) {
+	for _, tc := range []struct {
+		attempts int
+		want     time.Duration
+	}{{1, 2 * time.Second}, {3, 4 * time.Second}} {
+		s := newKeySet(testPolicy(), 0)
+		s.push("k", item{event: "q"})
+		k, it := s.take()
+		s.pushBackoff("k", item{event: "b", attempts: 1}, t0.Add(time.Second)) // due at 2s
+		it.attempts = tc.attempts
+		s.failed(k, it, t0)
+		require.Equal(t, t0.Add(tc.want), k.due, "attempts %d", tc.attempts)
+		require.Equal(t, []any{"q", "b"}, events(k))
+	}
+}
+
+func TestForget(t *testing.T) {
+	for _, state := range []keyState{keyReady, keyRunning, keyWaiting} {
+		t.Run(fmt.Sprint(state), func(t *testing.T) {
+			s := newKeySet(testPolicy(), 0)
+			s.push("k", item{event: "k1"})
+			s.push("k", item{event: "k2"})
+			s.push("other", item{event: "o1"})
+			want := []any{"k1", "k2"}
+			var k *key
+			switch state {
+			case keyRunning:
+				k, _ = s.take()
+				s.pushBackoff("k", item{event: "k3"}, t0)
+				want = []any{"k2", "k3"}
+			case keyWaiting:
+				var it item
+				k, it = s.take()
+				it.attempts = 1
+				s.failed(k, it, t0)
+			}
+			var got []any
+			for _, it := range s.forget("k") {
+				got = append(got, it.event)
+			}
+			require.Equal(t, want, got)
+			requireConsistent(t, s)
+			if state == keyRunning {
+				require.Equal(t, keyRunning, k.state, "the call goes on")
+				s.done(k)
+				require.NotContains(t, s.byName, "k", "and no Backoff given before Forget keeps the key waiting")
+			} else {
+				require.NotContains(t, s.byName, "k")
+			}
+			next, _ := s.take()
+			require.Equal(t, "other", next.name)
+			require.Nil(t, s.forget("nothing"))
+		})
+	}
+}
+
+func TestTakeAloneOnlyAKeyThatWasIdle(t *testing.T) {
+	s := newKeySet(testPolicy(), 0)
+	k := s.push("idle", item{event: "exit"})
+	it, ok := s.takeAlone(k)
 	require.True(t, ok)
-	require.Equal(t, p.Due, at)
-	require.Equal(t, epoch.Add(time.Second), at, "due the initial delay from the Backoff")
+	require.Equal(t, "exit", it.event)
+	require.Equal(t, keyRunning, k.state)
+	next, _ := s.take()
+	require.Nil(t, next, "taken out of the run queue")
+
+	s.push("busy", item{event: "first"})
+	k = s.push("busy", item{event: "exit"})
+	_, ok = s.takeAlone(k)
+	require.False(t, ok, "an earlier event comes first")
+	k = s.push("idle", item{event: "exit2"})
+	_, ok = s.takeAlone(k)
+	require.False(t, ok, "a running key's exit waits for its call")
+	requireConsistent(t, s)
+}
+
+func TestFullCountsTheCallInProgress(t *testing.T) {
+	s := newKeySet(testPolicy(), 2)
+	require.False(t, s.full("k"))
+	s.push("k", item{event: 1})
+	k, it := s.take()
+	require.False(t, s.full("k"))
+	s.push("k", item{event: 2})
+	require.True(t, s.full("k"), "a queued event and the call's")
+	it.attempts = 1
+	s.failed(k, it, t0)
+	require.Len(t, k.events, 2, "a failure keeps the key within its bound")
+	require.True(t, s.full("k"))
+	require.False(t, newKeySet(testPolicy(), 0).full("k"), "0: no bound")
+}
+
+// FuzzKeySet runs arbitrary operations and checks the counts and links after
+// each, and that every event pushed is queued, in a call or ended, once.
+func FuzzKeySet(f *testing.F) {
+	f.Add([]byte{0, 0, 0, 1, 2, 0, 3, 0, 4, 0, 6, 0, 2, 0, 5, 0})
+	f.Add([]byte{0, 1, 2, 1, 4, 1, 1, 1, 6, 9, 2, 1, 3, 1, 7, 1, 0, 2, 2, 2})
+	f.Fuzz(func(t *testing.T, ops []byte) {
+		s := newKeySet(backoffPolicy{initial: time.Second, max: 8 * time.Second}, 0)
+		now, next := t0, 0
+		calls := map[*key]item{}
+		ended := map[int]bool{}
+		for i := 0; i+1 < len(ops) && i < 1024; i += 2 {
+			name := string(rune('a' + ops[i+1]%4))
+			switch ops[i] % 8 {
+			case 0:
+				s.push(name, item{event: next})
+				next++
+			case 1:
+				s.pushBackoff(name, item{event: next, attempts: 1}, now)
+				next++
+			case 2:
+				if k, it := s.take(); k != nil {
+					calls[k] = it
+				}
+			case 3, 4: // a call ends: handled, or failed
+				for k, it := range calls {
+					delete(calls, k)
+					if ops[i]%8 == 4 {
+						it.attempts++
+						s.failed(k, it, now)
+					} else {
+						ended[it.event.(int)] = true
+						s.done(k)
+					}
+					break
+				}
+			case 5:
+				for _, it := range s.forget(name) {
+					ended[it.event.(int)] = true
+				}
+			case 6:
+				now = now.Add(time.Duration(ops[i+1]) * 100 * time.Millisecond)
+				s.retryDue(now, false)
+			case 7:
+				s.retryDue(now, true)
+			}
+			requireConsistent(t, s)
+			held := 0
+			for _, k := range s.byName {
+				for _, it := range k.events {
+					require.False(t, ended[it.event.(int)], "event %v queued after it ended", it.event)
+				}
+				held += len(k.events)
+			}
+			require.Equal(t, next, held+len(calls)+len(ended), "an event was lost or duplicated")
+		}
+	})
+}
+
+// requireConsistent checks keySet's counts, run queue and heap against its
+// keys.
+func requireConsistent(t *testing.T, s *keySet) {
+	t.Helper()
+	queued, inHeap, readyKeys := 0, 0, 0
+	for name, k := range s.byName {
+		require.Equal(t, name, k.name)
+		queued += len(k.events)
+		switch k.state {
+		case keyWaiting:
+			inHeap += len(k.events)
+			require.Same(t, k, s.due[k.index], "a waiting key is in the heap at its index")
+			require.NotEmpty(t, k.events, "a waiting key holds its failed event")
+		case keyReady:
+			readyKeys++
+			require.NotEmpty(t, k.events, "a ready key has an event to take")
+		}
+	}
+	require.Equal(t, queued, s.queued, "queued")
+	require.Equal(t, inHeap, s.inHeap, "inHeap")
+	var inRun []*key
+	for k := s.run.head; k != nil; k = k.next {
+		require.Equal(t, keyReady, k.state)
+		inRun = append(inRun, k)
+	}
+	require.Len(t, inRun, readyKeys, "every ready key once in the run queue")
+	if len(inRun) > 0 {
+		require.Same(t, inRun[len(inRun)-1], s.run.tail)
+	}
+	for i, k := range s.due {
+		require.Equal(t, i, k.index)
+		require.Equal(t, keyWaiting, k.state)
+		if i > 0 {
+			require.False(t, k.due.Before(s.due[(i-1)/2].due), "heap order")
+		}
+	}
 }

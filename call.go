@@ -6,76 +6,50 @@ import (
 	"fmt"
 	"runtime/debug"
 	"slices"
-	"sync/atomic"
 	"time"
 
 	"github.com/containerd/log"
-
-	"github.com/eventmonitor/eventmonitor/internal/keyq"
 )
 
-// stage is where a handler call is, as the monitor sees it (under mu).
-type stage uint8
+// callState is where a handler call is, as the monitor sees it (under mu).
+type callState uint8
 
 const (
-	inTime    stage = iota // running, its deadline (if any) ahead
-	late                   // running past its deadline: its ctx ended
-	overran                // running past its deadline and the grace: stuck
-	settling               // returned and counted; in calls until release
-	abandoned              // Stop gave up on it; its goroutine leaves unseen
+	inTime    callState = iota // running, its deadline (if any) ahead
+	late                       // past its deadline: its ctx ended
+	overran                    // past its deadline and the grace: logged, its worker maybe replaced
+	settling                   // returned, its event dropped: the drop is being reported
+	abandoned                  // Stop gave up on it: its event is dropped, its goroutine leaves unseen
 )
 
-// A call's progress is how far its goroutine got, written without mu:
-// notBegun, then invoked (by compare-and-swap, just before the handler),
-// then returned (just after). Stop, when it abandons a call not yet
-// invoked, moves it to withdrawn (by compare-and-swap), so that a call
-// whose event it dropped never starts; it never abandons a returned call:
-// that one settles once its goroutine has mu.
-const (
-	notBegun  int32 = iota
-	invoked         // the handler was called
-	returned        // no more of the handler runs: it returned (its error's methods too), panicked or exited
-	withdrawn       // abandoned before its handler began
-)
-
-// slotUse is which worker slot, if any, a call runs in.
-type slotUse uint8
+// slot is which worker slot, if any, a call holds.
+type slot uint8
 
 const (
-	noSlot   slotUse = iota // an exit handled inline by its watcher
-	ownSlot                 // one of the WithWorkers slots
-	gaveSlot                // it overran and gave its slot to a new worker
+	noSlot   slot = iota // an exit handled on its watcher's goroutine
+	ownSlot              // one of the WithWorkers slots
+	gaveSlot             // it overran and gave its slot to a new worker
 )
 
-// call is one handler call, and the handler's ctx: it embeds a standard
-// cancel context (cancelled at the call's end, its deadline or Stop), so
-// that contexts derived from it cost no goroutine, even below a
-// context.WithValue, and adds the call's deadline and the key's logger.
+// call is one handler call, and the handler's ctx: a standard cancel
+// context (ended when the call returns, at its deadline or at Stop), whose
+// Deadline is on the monitor's clock and whose values add the key.
 type call struct {
 	context.Context
-	cancel      context.CancelCauseFunc
-	key         *keyq.Key[item] // its name never changes: read it anywhere
-	it          item            // its failures change under mu, by the call's own goroutine
-	start       time.Time       // read only with a deadline or metrics
-	deadline    time.Time       // zero: none (WithHandleTimeout(0))
-	replayStart bool            // the first event of a replay: logged as a retry
-	progress    atomic.Int32
-
-	slot  slotUse // guarded by mu
-	stage stage   // guarded by mu
-}
-
-// runningIn reports whether c's handler has not returned and c is in one of
-// stages. mu is held.
-func (c *call) runningIn(stages ...stage) bool {
-	return c.progress.Load() != returned && slices.Contains(stages, c.stage)
+	cancel   context.CancelCauseFunc
+	key      *key
+	it       item
+	start    time.Time
+	deadline time.Time // zero: none (WithHandleTimeout(0))
+	behind   int       // a retry's: events queued behind it, for its log line
+	state    callState // guarded by mu
+	slot     slot      // guarded by mu
 }
 
 // Deadline is the call's start on the monitor's clock plus the handle timeout.
 func (c *call) Deadline() (time.Time, bool) { return c.deadline, !c.deadline.IsZero() }
 
-// Err is DeadlineExceeded once the deadline ended the call (cancel sets the
-// cause with Err, so Cause is there once Err is).
+// Err is DeadlineExceeded once the deadline ended the call.
 func (c *call) Err() error {
 	err := c.Context.Err()
 	if err != nil && context.Cause(c.Context) == context.DeadlineExceeded {
@@ -84,208 +58,222 @@ func (c *call) Err() error {
 	return err
 }
 
-// Value gives log.G(ctx) the call's key.
-func (c *call) Value(key any) any {
-	v := c.Context.Value(key)
+// Value gives KeyFromContext the key, and log.G(ctx) a logger with it.
+func (c *call) Value(k any) any {
+	if k == (keyContext{}) {
+		return c.key.name
+	}
+	v := c.Context.Value(k)
 	if l, ok := v.(*log.Entry); ok {
-		return l.WithField("key", c.key.Name())
+		return l.WithField("key", c.key.name)
 	}
 	return v
 }
 
-// takeReady starts a call for the first ready key on a worker slot, if the
-// monitor may. mu is held.
+type keyContext struct{}
+
+// KeyFromContext returns the key of the event whose handler call ctx is (or
+// derives from), and "" outside a handler call.
+func KeyFromContext(ctx context.Context) string {
+	name, _ := ctx.Value(keyContext{}).(string)
+	return name
+}
+
+// takeReady starts a call for the first ready key, if the monitor handles.
+// mu is held.
 func (m *Monitor) takeReady() *call {
-	if !m.state.handles() {
+	if m.state != running && m.state != draining {
 		return nil
 	}
-	k, it, replayStart := m.keys.Take()
+	k, it := m.keys.take()
 	if k == nil {
 		return nil
 	}
-	return m.startCall(k, it, replayStart, ownSlot)
+	return m.startCall(k, it, ownSlot)
 }
 
 // startCall registers a call of it for k, just taken. mu is held.
-func (m *Monitor) startCall(k *keyq.Key[item], it item, replayStart bool, s slotUse) *call {
-	c := &call{key: k, it: it, replayStart: replayStart, slot: s}
-	c.Context, c.cancel = context.WithCancelCause(m.base)
-	if m.cfg.handleTimeout > 0 || m.cfg.metrics != nil {
-		c.start = m.cfg.clock.Now()
+func (m *Monitor) startCall(k *key, it item, s slot) *call {
+	c := &call{key: k, it: it, slot: s, start: m.cfg.clock.Now()}
+	if it.attempts > 0 {
+		m.stats.Retried++
+		c.behind = len(k.events)
 	}
-	if m.cfg.handleTimeout > 0 {
-		c.deadline = c.start.Add(m.cfg.handleTimeout)
+	c.Context, c.cancel = context.WithCancelCause(m.base)
+	if d := m.cfg.handleTimeout; d > 0 {
+		c.deadline = c.start.Add(d)
+		m.wakeBy(c.deadline)
 	}
 	m.calls = append(m.calls, c)
+	m.goroutines.Add(1)
 	return c
 }
 
-// work is a worker: call c, if any, then the calls its slot takes on, until
-// no key is ready or its slot went to a new worker while its call overran.
-// A new worker takes over from one that a user's callback ended.
+// work is a worker: it makes call c, then the calls its slot takes on.
 func (m *Monitor) work(c *call) {
 	for c != nil {
 		c = m.handle(c)
 	}
 }
 
-// handle makes call c and returns the next call for its slot (see release).
-func (m *Monitor) handle(c *call) (next *call) {
-	began, ignored := false, false
-	var err error
-	onGoexit(func() {
-		if c.replayStart {
-			m.logRetry(c) // before the CAS: Stop may still withdraw a call held up here
-		}
-		if began = c.progress.CompareAndSwap(notBegun, invoked); began {
-			ignored, err = m.invoke(c)
-		}
-	}, func() { m.settleExited(c) })
-	if !began {
-		return nil // Stop withdrew it before it began, and accounted for it
-	}
-	return m.finish(c, ignored, err)
-}
+var errHandlerExited = errors.New("eventmonitor: handler ended its goroutine (runtime.Goexit, as t.FailNow does)")
 
-// settleExited settles call c, whose goroutine is ending (runtime.Goexit)
-// in the handler or in the retry line's log hook, as a failure (finish
-// leaves one Stop gave up on alone), and a new goroutine takes its slot on.
-func (m *Monitor) settleExited(c *call) {
-	if next := m.finish(c, false, errHandlerExited); next != nil {
-		go m.work(next)
-	}
-}
-
-var errHandlerExited = fmt.Errorf("%w: it panicked with nil or ended its goroutine (runtime.Goexit, as t.FailNow does), or a log hook did on its retry line", ErrHandlerPanic)
-
-// invoke calls the handler and reports whether its error wraps
-// ErrUnsupportedEvent (ignored). A panic, in the handler or in errors.Is
-// running its error's methods, becomes ErrHandlerPanic, logged with the
-// panicking stack (an error whose Error panics, checked replaces).
-func (m *Monitor) invoke(c *call) (ignored bool, err error) {
-	ok := false
-	defer func() {
-		if ok {
-			return
+// handle makes call c and returns its slot's next call. A handler that ends
+// its goroutine fails its call, and a new goroutine takes the slot on.
+func (m *Monitor) handle(c *call) *call {
+	if c.it.attempts > 0 {
+		entry := m.itemLog(c.key.name, c.it).WithField("events", c.behind+1)
+		if c.it.lastErr != nil { // an event given to Backoff has none
+			entry = entry.WithField("previous_error", c.it.lastErr)
 		}
-		err = errHandlerExited // runtime.Goexit (recover is nil) unwinds on, to handle's defer
-		if r := recover(); r != nil {
-			err = fmt.Errorf("%w: %s", ErrHandlerPanic, panicked(r))
-		}
-		m.cfg.logger.WithFields(log.Fields{"key": c.key.Name(), "stack": string(debug.Stack())}).
-			WithError(err).Error("event handler panicked")
-	}()
-	err = checked(m.handler.HandleEvent(c, c.it.event))
-	ignored = errors.Is(err, ErrUnsupportedEvent)
-	ok = true
-	return ignored, err
-}
-
-// finish settles call c, whose handler is done, reports its outcome and
-// releases it, returning release's next call.
-func (m *Monitor) finish(c *call, ignored bool, err error) (next *call) {
-	c.progress.Store(returned) // no user code is left: Stop waits, not abandons
-	c.cancel(context.Canceled) // what the handler started with ctx stops
-	var end time.Time
-	if err != nil || m.cfg.metrics != nil {
-		end = m.cfg.clock.Now()
+		entry.Info("retrying backed-off events")
 	}
 	m.mu.Lock()
-	if c.stage == abandoned {
-		m.mu.Unlock()
-		return nil // Stop gave up on it and accounted for it
-	}
-	wasOverrun := c.stage == overran
-	out := m.settle(c, err, ignored, end)
-	if !wasOverrun && out.failed == nil && m.cfg.metrics == nil { // nothing to report
-		next = m.release(c, out)
-		m.mu.Unlock()
-		return next
-	}
-	m.reconcile()
+	withdrawn := c.state == abandoned // by Stop, before the handler began: its event is dropped
 	m.mu.Unlock()
-	return m.reportThenRelease(c, err, end, out, wasOverrun)
-}
-
-// reportThenRelease reports settled call c without mu, as the report runs
-// user code (logger, Metrics, drop handler), then releases it. If that code
-// ends the goroutine (runtime.Goexit), the call is released all the same
-// and a new goroutine takes its slot on.
-func (m *Monitor) reportThenRelease(c *call, err error, end time.Time, out outcome, wasOverrun bool) *call {
-	release := func() *call {
-		m.mu.Lock()
-		defer m.mu.Unlock()
-		return m.release(c, out)
+	if withdrawn {
+		return nil
 	}
-	onGoexit(func() { m.report(c, err, end, out, wasOverrun) }, func() {
-		if next := release(); next != nil {
-			go m.work(next)
+	returned := false
+	defer func() {
+		if !returned {
+			if next := m.finish(c, errHandlerExited); next != nil {
+				go m.work(next)
+			}
 		}
-	})
-	return release()
+	}()
+	err := m.invoke(c)
+	returned = true
+	return m.finish(c, err)
 }
 
-// release ends settled call c: the key of a dropped event, held until the
-// drop was reported, goes on, and c's slot, if it holds one, takes on the
-// next call, which it returns. mu is held.
-func (m *Monitor) release(c *call, out outcome) (next *call) {
-	if out.drops != nil { // settle kept the key Running until its drop was handed over
-		m.keys.Done(c.key)
+// invoke calls the handler; a panic becomes its error, logged with its stack.
+func (m *Monitor) invoke(c *call) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("eventmonitor: handler panicked: %v", r)
+			m.cfg.logger.WithFields(log.Fields{"key": c.key.name, "stack": string(debug.Stack())}).
+				WithError(err).Error("event handler panicked")
+		}
+	}()
+	return m.handler.HandleEvent(c, c.it.event)
+}
+
+// outcome is what settle leaves for report, which runs user code (the
+// logger, Metrics, the drop handler) without mu.
+type outcome struct {
+	ignored bool          // the handler returned ErrUnsupportedEvent
+	err     error         // the handler's error, nil if handled or ignored
+	delay   time.Duration // the backoff a failed event now waits
+	drop    error         // why the monitor gave up on the event (wraps ErrStopped or ErrMaxAttempts)
+	overran bool
+	end     time.Time
+	ran     time.Duration
+}
+
+// finish settles call c, reports its outcome, and returns its slot's next
+// call (nil if none, or if c held no slot).
+func (m *Monitor) finish(c *call, err error) (next *call) {
+	out := outcome{ignored: errors.Is(err, ErrUnsupportedEvent)}
+	if !out.ignored {
+		out.err = err
 	}
+	c.cancel(context.Canceled) // what the handler started with ctx stops
+	out.end = m.cfg.clock.Now()
+	out.ran = out.end.Sub(c.start)
+	m.mu.Lock()
+	if c.state == abandoned {
+		m.mu.Unlock()
+		return nil // Stop gave up on it and dropped its event
+	}
+	out.overran = c.state == overran
+	m.settle(c, &out)
 	if c.slot == ownSlot {
-		// Taken while c still holds its slot, so that reconcile below
-		// gives that slot to no new worker: this goroutine goes on in it.
-		next = m.takeReady()
+		if next = m.takeReady(); next == nil {
+			m.busy--
+		}
 	}
-	m.calls = slices.DeleteFunc(m.calls, func(x *call) bool { return x == c })
-	m.reconcile()
+	if c.state != settling {
+		m.endCall(c)
+	}
+	m.mu.Unlock()
+	m.report(c, out)
+	if c.state == settling { // unguarded: only this goroutine changes a settling call
+		m.mu.Lock()
+		m.keys.done(c.key)
+		m.endCall(c)
+		m.mu.Unlock()
+	}
+	m.goroutines.Done()
 	return next
 }
 
-// settle records a returned call's outcome: handled, ignored (no route),
-// back at its key's head to wait, or given up on (see release). mu is held.
-func (m *Monitor) settle(c *call, err error, ignored bool, end time.Time) outcome {
-	c.stage = settling // its event is counted below, so Stats no longer counts it in flight
-	switch {
-	case err == nil:
-		m.stats.Handled++
-		m.keys.Done(c.key)
-		return outcome{}
-	case ignored:
-		m.stats.Ignored++
-		m.keys.Done(c.key)
-		return outcome{}
-	}
-	m.stats.Failed++
-	// A new record, not a change: the report of the call that failed
-	// before may still read the old one without mu.
-	f := failures{first: end, attempts: 1, last: err}
-	if old := c.it.failures; old != nil {
-		f.first, f.attempts = old.first, old.attempts+1
-	}
-	c.it.failures = &f
-	var reason error
-	switch {
-	case !m.state.accepts():
-		reason = failedDrop{ErrStopped, ": failed as the monitor stops", err}
-	case m.cfg.maxAttempts > 0 && f.attempts >= m.cfg.maxAttempts:
-		reason = failedDrop{ErrMaxAttempts, fmt.Sprintf(" (%d)", f.attempts), err}
-	default:
-		m.keys.Failed(c.key, c.it, end)
-		return outcome{failed: err, delay: c.key.Delay()}
-	}
-	// Its key stays Running, for release to end once report has handed the
-	// drop over: the drop handler sees it before the key's next event.
-	return outcome{failed: err, drops: m.drop(c.key.Name(), reason, c.it)}
+// endCall removes a settled call. mu is held.
+func (m *Monitor) endCall(c *call) {
+	m.calls = slices.DeleteFunc(m.calls, func(x *call) bool { return x == c })
+	m.changed()
 }
 
-// slotsHeld is how many worker slots the calls hold.
-func (m *Monitor) slotsHeld() int {
-	n := 0
-	for _, c := range m.calls {
-		if c.slot == ownSlot {
-			n++
+// settle records a returned call's outcome and moves its key on: handled,
+// ignored, or back at its key's head to wait. A call whose event is given
+// up on is settling: its key waits until finish has reported the drop, so
+// that the drop handler sees the event before the key's next one. mu is
+// held.
+func (m *Monitor) settle(c *call, out *outcome) {
+	switch {
+	case out.err == nil && out.ignored:
+		m.stats.Ignored++
+	case out.err == nil:
+		m.stats.Handled++
+	default:
+		m.stats.Failed++
+		c.it.attempts++
+		if c.it.attempts == 1 {
+			c.it.firstFailure = out.end
+		}
+		c.it.lastErr = out.err
+		switch {
+		case m.state != running:
+			out.drop = fmt.Errorf("%w: failed while the monitor stops: %w", ErrStopped, out.err)
+		case m.cfg.maxAttempts > 0 && c.it.attempts >= m.cfg.maxAttempts:
+			out.drop = fmt.Errorf("%w (%d): %w", ErrMaxAttempts, c.it.attempts, out.err)
+		default:
+			out.delay = m.keys.failed(c.key, c.it, out.end)
+			return
+		}
+		m.stats.Dropped++
+		c.state = settling
+		return
+	}
+	m.keys.done(c.key)
+}
+
+// report hands a settled call's outcome to the metrics, the log and the drop
+// handler. A failing key fails once per delay, so it cannot flood the log.
+func (m *Monitor) report(c *call, out outcome) {
+	if mt := m.cfg.metrics; mt != nil {
+		mt.HandlerDone(out.ran, out.err)
+		if out.err == nil && c.it.attempts > 0 {
+			mt.Recovered(out.end.Sub(c.it.firstFailure))
 		}
 	}
-	return n
+	if out.overran {
+		m.cfg.logger.WithFields(log.Fields{"key": c.key.name, "ran": out.ran}).Warn("event handler returned after its deadline")
+	}
+	switch {
+	case out.drop != nil:
+		m.itemLog(c.key.name, c.it).WithError(out.err).Warn("giving up on event")
+		m.emit(dropsOf(c.key.name, out.drop, c.it)...)
+	case out.err != nil:
+		m.itemLog(c.key.name, c.it).WithError(out.err).WithField("delay", out.delay).Error("event handling failed; backing off")
+	}
+}
+
+// itemLog is the logger with an event's fields.
+func (m *Monitor) itemLog(name string, it item) *log.Entry {
+	fields := log.Fields{"key": name, "attempt": it.attempts}
+	if topic, ns := it.from(); topic != "" || ns != "" {
+		fields["topic"], fields["namespace"] = topic, ns
+	}
+	return m.cfg.logger.WithFields(fields)
 }

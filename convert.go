@@ -10,10 +10,9 @@ import (
 
 // Converter turns an envelope's payload into a typed event and its key.
 type Converter interface {
-	// Convert unmarshals the payload and names the key that orders and backs it off.
-	// An error wrapping ErrUnsupportedEvent ignores the envelope; any other
-	// drops it, with a reason wrapping ErrDecode unless the error wraps
-	// ErrDecode or ErrInvalidEvent itself.
+	// Convert unmarshals the payload and names the key that orders and backs
+	// it off. An error wrapping ErrUnsupportedEvent ignores the envelope;
+	// any other drops it.
 	Convert(payload typeurl.Any) (key string, event any, err error)
 }
 
@@ -30,19 +29,21 @@ type TypeKey struct {
 }
 
 // Type is the keyed Go type, for helpers that ask a runtime for only the
-// keyed events (see the containerd module's Filters).
+// keyed events (such as the containerd module's Filters).
 func (k TypeKey) Type() reflect.Type { return k.typ }
 
 // KeyOf keys events of type T, as typeurl unmarshals them (usually a pointer
-// such as *events.TaskExit), with key. A nil key panics at once.
+// such as *events.TaskExit), with key. It panics on a nil key and on an
+// interface T, which no event's type equals.
 func KeyOf[T any](key func(T) string) TypeKey {
-	if key == nil {
-		panic(fmt.Sprintf("eventmonitor: KeyOf[%v] with a nil key function", reflect.TypeFor[T]()))
+	t := reflect.TypeFor[T]()
+	switch {
+	case key == nil:
+		panic(fmt.Sprintf("eventmonitor: KeyOf[%v] with a nil key function", t))
+	case t.Kind() == reflect.Interface:
+		panic(fmt.Sprintf("eventmonitor: KeyOf[%v]: an interface type never matches an event's type; key its concrete types", t))
 	}
-	return TypeKey{
-		typ: reflect.TypeFor[T](),
-		key: func(event any) string { return key(event.(T)) },
-	}
+	return TypeKey{typ: t, key: func(event any) string { return key(event.(T)) }}
 }
 
 type typeConverter struct {
@@ -50,13 +51,12 @@ type typeConverter struct {
 }
 
 // NewConverter returns a Converter that unmarshals with typeurl.UnmarshalAny
-// and keys the result by its Go type; a later TypeKey for a type wins. An
-// unknown type URL or unkeyed type is ErrUnsupportedEvent (ignored); bad
-// bytes are ErrDecode (dropped). A zero TypeKey (not from KeyOf) panics.
+// and keys the result by its Go type; a later TypeKey for a type wins. It is
+// safe for concurrent use, so monitors may share one. A zero TypeKey panics.
 func NewConverter(keys ...TypeKey) Converter {
 	conv := &typeConverter{keys: make(map[reflect.Type]func(any) string, len(keys))}
 	for i, k := range keys {
-		if k.typ == nil || k.key == nil {
+		if k.typ == nil {
 			panic(fmt.Sprintf("eventmonitor: NewConverter: TypeKey %d is zero (make it with KeyOf)", i))
 		}
 		conv.keys[k.typ] = k.key
@@ -64,6 +64,8 @@ func NewConverter(keys ...TypeKey) Converter {
 	return conv
 }
 
+// Convert returns ErrUnsupportedEvent for a type URL typeurl does not know
+// or a type with no key, and ErrDecode for bytes that do not unmarshal.
 func (conv *typeConverter) Convert(payload typeurl.Any) (key string, event any, err error) {
 	if payload == nil {
 		return "", nil, fmt.Errorf("%w: nil payload", ErrInvalidEvent)

@@ -141,22 +141,24 @@ func ExampleWatchExit() {
 // Run re-subscribes when the stream breaks and calls the resync hook after
 // each re-subscription, so nothing the broken stream missed stays missed.
 func ExampleMonitor_Run() {
-	subscriptions := 0
+	var errs chan error
 	stream := eventmonitor.SubscriberFunc(func(ctx context.Context, filters ...string) (<-chan *eventmonitor.Envelope, <-chan error) {
-		subscriptions++
-		errs := make(chan error, 1)
-		if subscriptions == 1 {
-			errs <- errors.New("connection reset")
-		}
+		errs = make(chan error, 1)
 		return make(chan *eventmonitor.Envelope), errs
 	})
 	ctx, cancel := context.WithCancel(context.Background())
+	resyncs := 0
 	m, err := eventmonitor.New(eventmonitor.HandlerFunc(func(context.Context, any) error { return nil }),
 		eventmonitor.WithConverter(eventmonitor.NewConverter()),
 		eventmonitor.WithResubscribe(time.Millisecond, time.Second),
 		eventmonitor.WithResync(func(ctx context.Context) error {
-			fmt.Println("resync: relisting containers")
-			cancel() // the example ends here
+			resyncs++
+			fmt.Printf("resync %d: relisting containers\n", resyncs)
+			if resyncs == 1 {
+				errs <- errors.New("connection reset") // the stream breaks
+			} else {
+				cancel() // the example ends here
+			}
 			return nil
 		}),
 	)
@@ -167,7 +169,8 @@ func ExampleMonitor_Run() {
 	fmt.Println("resubscribed:", m.Stats().Resubscribed)
 	_ = m.Shutdown(context.Background())
 	// Output:
-	// resync: relisting containers
+	// resync 1: relisting containers
+	// resync 2: relisting containers
 	// Run: <nil>
 	// resubscribed: 1
 }
@@ -273,7 +276,7 @@ func ExampleMonitor_Submit() {
 	// forgotten: [c1 start c1 stop]
 }
 
-// WaitIdle and NextRetry step a fake clock through a failing event's
+// WaitIdle and Pending step a fake clock through a failing event's
 // retries: each step lands exactly on a due time, with no sleep and no
 // race. The eventmonitortest package wraps these steps for tests.
 func ExampleMonitor_WaitIdle() {
@@ -296,12 +299,12 @@ func ExampleMonitor_WaitIdle() {
 		if err := m.WaitIdle(ctx); err != nil {
 			panic(err)
 		}
-		due, waiting := m.NextRetry()
-		if !waiting {
+		pending := m.Pending()
+		if len(pending) == 0 {
 			break
 		}
-		fmt.Printf("call %d failed; retry due in %v\n", calls, due.Sub(clk.Now()))
-		clk.SetTime(due)
+		fmt.Printf("call %d failed; retry due in %v\n", calls, pending[0].Due.Sub(clk.Now()))
+		clk.SetTime(pending[0].Due)
 	}
 	fmt.Println("handled at call", calls)
 	// Output:
@@ -332,8 +335,7 @@ func ExampleMonitor_Backoff() {
 	if err := m.WaitIdle(ctx); err != nil {
 		panic(err)
 	}
-	due, _ := m.NextRetry()
-	clk.SetTime(due)
+	clk.SetTime(m.Pending()[0].Due)
 	if err := m.WaitIdle(ctx); err != nil {
 		panic(err)
 	}

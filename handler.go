@@ -12,14 +12,10 @@ import (
 
 // Handler handles typed events.
 type Handler interface {
-	// HandleEvent handles one event. ctx carries the per-event timeout and
-	// ends when HandleEvent returns; log.G(ctx) is the monitor's logger with
-	// the event's key. At the deadline ctx.Err() is DeadlineExceeded; a
-	// context derived from ctx ends then too, its Err Canceled (the standard
-	// library copies it from the cancel context within) and its
-	// context.Cause DeadlineExceeded. An error, a panic or runtime.Goexit
-	// sends the event to its key's backoff (but an error wrapping
-	// ErrUnsupportedEvent ignores it).
+	// HandleEvent handles one event. ctx carries the per-event deadline and
+	// ends when HandleEvent returns. An error (or a panic) sends the event
+	// to its key's backoff queue; an error wrapping ErrUnsupportedEvent
+	// ignores it.
 	HandleEvent(ctx context.Context, event any) error
 }
 
@@ -29,12 +25,10 @@ type HandlerFunc func(ctx context.Context, event any) error
 // HandleEvent calls f.
 func (f HandlerFunc) HandleEvent(ctx context.Context, event any) error { return f(ctx, event) }
 
-// Mux routes each event to the function registered for its Go type; for
-// other types it returns ErrUnsupportedEvent, counted in Stats.Ignored and
-// not retried, as containerd skips unknown topics, and logs the first of
-// each type (of the first 256) at debug level: a forgotten On shows there.
-// Call On only before the first event: registration is not safe
-// concurrently with handling.
+// Mux routes each event to the function registered for its Go type. For a
+// type with no route it returns ErrUnsupportedEvent (the event is ignored),
+// and logs the type once at debug level. Register routes before the first
+// event.
 type Mux struct {
 	routes   map[reflect.Type]func(ctx context.Context, event any) error
 	unrouted logOnce[reflect.Type]
@@ -46,18 +40,19 @@ func NewMux() *Mux {
 }
 
 // On routes events of exactly type T (usually a pointer such as
-// *events.TaskExit) to fn, replacing any earlier route for T. A nil m or fn
-// panics at once, as in http.HandleFunc, rather than at the first event.
+// *events.TaskExit) to fn, replacing any earlier route for T. It panics on
+// a nil m or fn, and on an interface T, which no event's type equals.
 func On[T any](m *Mux, fn func(ctx context.Context, event T) error) {
-	if m == nil || m.routes == nil {
+	t := reflect.TypeFor[T]()
+	switch {
+	case m == nil || m.routes == nil:
 		panic("eventmonitor: On with a nil Mux (make it with NewMux)")
+	case fn == nil:
+		panic(fmt.Sprintf("eventmonitor: On[%v] with a nil function", t))
+	case t.Kind() == reflect.Interface:
+		panic(fmt.Sprintf("eventmonitor: On[%v]: an interface type never matches an event's type; route its concrete types", t))
 	}
-	if fn == nil {
-		panic(fmt.Sprintf("eventmonitor: On[%v] with a nil function", reflect.TypeFor[T]()))
-	}
-	m.routes[reflect.TypeFor[T]()] = func(ctx context.Context, event any) error {
-		return fn(ctx, event.(T))
-	}
+	m.routes[t] = func(ctx context.Context, event any) error { return fn(ctx, event.(T)) }
 }
 
 // HandleEvent implements Handler.
@@ -73,8 +68,8 @@ func (m *Mux) HandleEvent(ctx context.Context, event any) error {
 	return fmt.Errorf("%w: no route for %T", ErrUnsupportedEvent, event)
 }
 
-// isNil reports whether v is nil or holds a nil pointer, func, map etc. (say
-// HandlerFunc(nil)), for New to reject rather than panic on every event.
+// isNil reports whether v is nil or holds a nil pointer, func or map (say
+// HandlerFunc(nil)), for New to refuse rather than panic on every event.
 func isNil(v any) bool {
 	if v == nil {
 		return true
@@ -86,10 +81,9 @@ func isNil(v any) bool {
 	return false
 }
 
-// checkRoutes, given this package's Mux and converter, reports a route for T
-// beside a key for *T (or the reverse) with no route for the keyed type,
-// whose events would all be ignored. Keyed types with no route, and routes
-// for unkeyed types (Submit and WatchExit bring them), are fine.
+// checkRoutes, given this package's Mux and converter, refuses a route for
+// T beside a key for *T (or the reverse) with no route for the keyed type:
+// its events would all be ignored.
 func checkRoutes(h Handler, conv Converter) error {
 	mux, ok := h.(*Mux)
 	tc, ok2 := conv.(*typeConverter)

@@ -4,57 +4,24 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"time"
+	"sync"
 
 	"github.com/containerd/log"
-	"github.com/containerd/typeurl/v2"
 )
 
-// Envelope is one event as a subscriber delivers it (the fields of
-// containerd's events.Envelope).
-type Envelope struct {
-	Timestamp time.Time
-	Namespace string
-	Topic     string
-	Event     typeurl.Any
-}
+// errFiltered marks an envelope of another namespace: counted, not accepted.
+var errFiltered = errors.New("eventmonitor: envelope of another namespace")
 
-// Subscriber is a source of envelopes, such as containerd's events service.
-// The stream ends when ctx ends; a broken stream sends one error on errs.
-type Subscriber interface {
-	Subscribe(ctx context.Context, filters ...string) (ch <-chan *Envelope, errs <-chan error)
-}
-
-// SubscriberFunc adapts a function to Subscriber.
-type SubscriberFunc func(ctx context.Context, filters ...string) (<-chan *Envelope, <-chan error)
-
-// Subscribe calls f.
-func (f SubscriberFunc) Subscribe(ctx context.Context, filters ...string) (<-chan *Envelope, <-chan error) {
-	return f(ctx, filters...)
-}
-
-var (
-	// errFiltered marks an envelope of another namespace: counted, not accepted.
-	errFiltered = errors.New("eventmonitor: envelope of another namespace")
-	// errConverterPanic drops an envelope whose conversion panicked.
-	errConverterPanic = fmt.Errorf("%w: converter panicked", ErrInvalidEvent)
-)
-
-// ingest converts env without mu, then accepts it. While WithIntakeLimit
-// events wait for a worker it waits for room, until ctx ends or intake
-// stops, so that a flood stays in the runtime rather than in our memory.
-// What cannot be accepted is dropped (after Stop, with ErrStopped). An
-// envelope of another namespace counts as Filtered; one of a type nobody
-// keys as Ignored, its type logged once.
+// ingest converts env without mu, then accepts it, waiting while
+// WithIntakeLimit events wait for a worker (until ctx ends or intake
+// stops), so that a flood stays in the runtime rather than in memory.
 func (m *Monitor) ingest(ctx context.Context, env *Envelope) {
-	m.beginAccepting()
-	defer m.endAccepting()
-	var it item
+	name, event, err := m.convert(env)
+	ignored := errors.Is(err, ErrUnsupportedEvent)
+	it := item{event: event}
 	if env != nil {
 		it.origin = &origin{env.Topic, env.Namespace}
 	}
-	key, event, ignored, url, err := m.convert(env)
-	it.event = event
 	m.mu.Lock()
 	var drops []Drop
 	switch {
@@ -65,71 +32,74 @@ func (m *Monitor) ingest(ctx context.Context, env *Envelope) {
 		m.stats.Received++
 		m.stats.Ignored++
 	case err == nil:
-		for m.state.accepts() && ctx.Err() == nil && m.keys.Queued() >= m.cfg.intakeLimit {
+		for m.state == running && !m.intakeEnded() && ctx.Err() == nil && m.keys.queued-m.keys.inHeap >= m.cfg.intakeLimit {
 			m.cond.Wait()
 		}
-		if _, err = m.accept(key, it, streamed); err != nil {
-			drops = m.refuse(key, it, err)
-		}
-	default:
-		drops = m.refuse(key, it, err)
+		err = m.accept(name, it, fromStream)
 	}
-	m.mu.Unlock() // endAccepting, deferred, reconciles
-	if ignored && m.stream.ignoredURLs.first(url) {
-		m.cfg.logger.WithFields(log.Fields{"topic": env.Topic, "namespace": env.Namespace, "type": url}).
+	if err != nil && err != errFiltered && !ignored {
+		drops = m.refuse(name, it, err)
+	}
+	m.changed()
+	m.mu.Unlock()
+	switch {
+	case err == errFiltered && m.filteredNamespaces.first(env.Namespace):
+		m.cfg.logger.WithField("namespace", env.Namespace).
+			Debug("ignoring events of another namespace (WithNamespace); logged once per namespace")
+	case ignored && m.ignoredTypes.first(env.Event.GetTypeUrl()):
+		m.cfg.logger.WithFields(log.Fields{"topic": env.Topic, "namespace": env.Namespace, "type": env.Event.GetTypeUrl()}).
 			WithError(err).Debug("ignoring events of a type the converter has no key for; logged once per type")
 	}
-	m.emit(drops...) // the drop handler logs it, by default
+	m.emit(drops...)
 }
 
-// beginAccepting counts an envelope or exit received and not yet queued or
-// dropped (Monitor.accepting), which WaitIdle and Stop wait for;
-// endAccepting ends the count once its drop, if any, was handed over.
-func (m *Monitor) beginAccepting() {
-	m.mu.Lock()
-	m.accepting++
-	m.mu.Unlock()
-}
-
-func (m *Monitor) endAccepting() {
-	m.mu.Lock()
-	m.accepting--
-	m.reconcile()
-	m.mu.Unlock()
-}
-
-// convert filters env by namespace and runs the converter. ignored: it has
-// no key for the payload's type, whose URL comes too, for the log line (a
-// panic in the payload's GetTypeUrl leaves it out). A panic, in a key
-// function or in errors.Is running the error's own methods, becomes
-// ErrInvalidEvent; any other error that wraps none of ErrUnsupportedEvent,
-// ErrDecode and ErrInvalidEvent is wrapped in ErrDecode, and comes with no
-// event.
-func (m *Monitor) convert(env *Envelope) (key string, event any, ignored bool, url string, err error) {
+// convert filters env by namespace and runs the converter. An error that
+// wraps none of ErrUnsupportedEvent, ErrDecode and ErrInvalidEvent is
+// wrapped in ErrDecode; a panic becomes ErrInvalidEvent.
+func (m *Monitor) convert(env *Envelope) (name string, event any, err error) {
 	switch {
 	case env == nil:
-		return "", nil, false, "", fmt.Errorf("%w: nil envelope", ErrInvalidEvent)
+		return "", nil, fmt.Errorf("%w: nil envelope", ErrInvalidEvent)
 	case m.cfg.namespace != "" && env.Namespace != m.cfg.namespace:
-		return "", nil, false, "", errFiltered
+		return "", nil, errFiltered
 	case env.Event == nil:
-		return "", nil, false, "", fmt.Errorf("%w: nil payload", ErrInvalidEvent)
+		return "", nil, fmt.Errorf("%w: nil payload", ErrInvalidEvent)
 	}
-	err = errOnPanic(errConverterPanic, func() (err error) {
-		key, event, err = m.cfg.converter.Convert(env.Event)
-		err = checked(err)
-		ignored = errors.Is(err, ErrUnsupportedEvent)
-		switch {
-		case err == nil && event == nil:
-			err = fmt.Errorf("%w: converter returned a nil event", ErrInvalidEvent)
-		case ignored:
-			recovering(func() { url = env.Event.GetTypeUrl() })
-		case err != nil && !errors.Is(err, ErrDecode) && !errors.Is(err, ErrInvalidEvent):
-			err = fmt.Errorf("%w: %w", ErrDecode, err) // a Drop's reason wraps a sentinel
+	defer func() {
+		if r := recover(); r != nil {
+			name, event, err = "", nil, fmt.Errorf("%w: converter panicked: %v", ErrInvalidEvent, r)
 		}
-		return err
-	})
-	if err != nil {
-		event = nil // not an event, whatever came beside the error: its Drop holds none
+	}()
+	name, event, err = m.cfg.converter.Convert(env.Event)
+	switch {
+	case err == nil && event == nil:
+		err = fmt.Errorf("%w: converter returned a nil event", ErrInvalidEvent)
+	case err != nil && !errors.Is(err, ErrUnsupportedEvent) && !errors.Is(err, ErrDecode) && !errors.Is(err, ErrInvalidEvent):
+		err = fmt.Errorf("%w: %w", ErrDecode, err)
 	}
-	return key, event, ignored, url, err
+	if err != nil {
+		event = nil // a Drop holds no half-made event
+	}
+	return name, event, err
+}
+
+// logOnce remembers up to 256 kinds of input nobody handles, so that each
+// is logged once rather than per event.
+type logOnce[K comparable] struct {
+	mu     sync.Mutex
+	logged map[K]bool
+}
+
+// first reports whether k is seen for the first time, and remembers it.
+func (o *logOnce[K]) first(k K) bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.logged[k] || len(o.logged) >= 256 {
+		return false
+	}
+	if o.logged == nil {
+		o.logged = make(map[K]bool)
+	}
+	o.logged[k] = true
+	return true
 }

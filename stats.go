@@ -1,11 +1,9 @@
 package eventmonitor
 
 import (
-	"slices"
-	"strings"
+	"context"
+	"sort"
 	"time"
-
-	"github.com/eventmonitor/eventmonitor/internal/keyq"
 )
 
 // Stats holds the monitor's counters and gauges. Every envelope read or
@@ -13,38 +11,30 @@ import (
 //
 //	Received = Filtered + Ignored + Handled + Dropped + Forgotten + Queued + EventsInBackoff + InFlight
 type Stats struct {
-	Received uint64 // envelopes read; events accepted, or dropped with no caller to refuse (Backoff, exits)
-	Filtered uint64 // envelopes of other namespaces
-	// Ignored: envelopes of types the converter does not key, and events
-	// the handler returned ErrUnsupportedEvent for: not ours, not drops.
-	Ignored      uint64
+	Received     uint64 // envelopes read, events accepted, and events refused with no caller to tell (Backoff, exits)
+	Filtered     uint64 // envelopes of other namespaces
+	Ignored      uint64 // envelopes of types the converter has no key for, and events the handler returned ErrUnsupportedEvent for
 	Handled      uint64 // handler calls that succeeded
-	Failed       uint64 // handler calls that failed, panicked or ended their goroutine (or whose retry line did)
-	Retried      uint64 // backoff replays begun, including one Forget emptied before it started
+	Failed       uint64 // handler calls that failed or panicked
+	Retried      uint64 // handler calls of events that had failed before
 	Dropped      uint64 // events given to the drop handler
 	Forgotten    uint64 // events returned by Forget
-	Resubscribed uint64 // Run's re-subscriptions
+	Resubscribed uint64 // subscriptions Run established after an outage
 
-	// InFlight: handler calls running, Overrunning included: those past
-	// their handle timeout and its grace (see WithHandleTimeout), each
-	// still holding its key (see WithMaxOverruns).
-	InFlight, Overrunning int
-	Queued                int // events waiting for a worker, also behind a running call of their key
-	// KeysInBackoff, EventsInBackoff: keys in backoff (waiting for their
-	// due time, replaying, or given Backoff during a call) and their events.
+	InFlight    int // handler calls in progress, Overrunning included
+	Overrunning int // calls past their handle timeout and its grace, each holding its key
+	Queued      int // events waiting for a worker, or behind a call of their key
+	// KeysInBackoff, EventsInBackoff: keys waiting for a retry, and their events.
 	KeysInBackoff, EventsInBackoff int
 }
 
-// Stats returns a consistent snapshot of the counters and gauges: the
-// identity the Stats type states holds in every snapshot.
+// Stats returns a consistent snapshot of the counters and gauges.
 func (m *Monitor) Stats() Stats {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	s := m.stats
-	// By stage, not runningIn: a call whose handler just returned holds its
-	// event until it settles.
 	for _, c := range m.calls {
-		switch c.stage {
+		switch c.state {
 		case overran:
 			s.Overrunning++
 			fallthrough
@@ -52,39 +42,69 @@ func (m *Monitor) Stats() Stats {
 			s.InFlight++
 		}
 	}
-	s.Queued = m.keys.Queued()
-	s.KeysInBackoff, s.EventsInBackoff = m.keys.InBackoff()
+	s.Queued = m.keys.queued - m.keys.inHeap
+	s.KeysInBackoff, s.EventsInBackoff = len(m.keys.due), m.keys.inHeap
 	return s
 }
 
 // Pending is one key's backoff queue as Pending() saw it.
 type Pending struct {
 	Key      string
-	Events   []any // in the order they will be handled
-	Attempts int   // failed handler calls of the event at the head
-	// Due: when the queue replays, but not before the key's call in
-	// progress ends (in the past while replaying).
-	Due time.Time
+	Events   []any     // in the order they will be handled
+	Attempts int       // failed handler calls of the event at the head (Backoff counts one)
+	Due      time.Time // when the key retries
 }
 
-// Pending returns a snapshot of every backoff queue, sorted by key.
+// Pending returns a snapshot of every key waiting for a retry, sorted by key.
 func (m *Monitor) Pending() []Pending {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	var out []Pending
-	m.keys.Keys(func(k *keyq.Key[item]) {
-		if !k.InBackoff() {
-			return
-		}
-		p := Pending{Key: k.Name(), Due: k.Due()}
-		for i, it := range k.Items() {
-			if i == 0 {
-				p.Attempts = it.attempts()
-			}
+	out := make([]Pending, 0, len(m.keys.due))
+	for _, k := range m.keys.due {
+		p := Pending{Key: k.name, Attempts: k.events[0].attempts, Due: k.due}
+		for _, it := range k.events {
 			p.Events = append(p.Events, it.event)
 		}
 		out = append(out, p)
-	})
-	slices.SortFunc(out, func(a, b Pending) int { return strings.Compare(a.Key, b.Key) })
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Key < out[j].Key })
 	return out
+}
+
+// WaitIdle waits until the monitor has done all it can for now: no call in
+// progress, no key waiting for a worker, and the scheduler's timer set for
+// the next retry. It returns ctx's error if ctx ends first. It is the sync
+// point of fake-clock tests (see package eventmonitortest).
+func (m *Monitor) WaitIdle(ctx context.Context) error {
+	ctx, done := m.waitingOn(ctx)
+	defer done()
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for {
+		s := &m.sched
+		overdue := !s.armed.IsZero() && !s.armed.After(m.cfg.clock.Now())
+		switch {
+		case len(m.calls) == 0 && (m.state == held || m.keys.run.head == nil) && !s.poked && !overdue:
+			return nil
+		case ctx.Err() != nil:
+			return ctx.Err()
+		case overdue:
+			m.poke() // its timer fired, or a fake clock was set past it
+		}
+		m.cond.Wait()
+	}
+}
+
+// Metrics receives what Stats cannot hold: durations and drops by reason
+// (the prometheus module reads the rest from Stats). Its methods run on the
+// monitor's goroutines without its lock, possibly concurrently.
+type Metrics interface {
+	// HandlerDone reports each handler call's duration and error (nil on
+	// success and for an ignored event), but for calls Stop abandoned.
+	HandlerDone(d time.Duration, err error)
+	// Recovered reports an event handled after failing before, with the time
+	// since its first failure.
+	Recovered(sinceFirstFailure time.Duration)
+	// Dropped reports every drop's reason and event count.
+	Dropped(reason error, events int)
 }

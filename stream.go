@@ -6,26 +6,41 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"time"
 
-	"github.com/eventmonitor/eventmonitor/internal/keyq"
+	"github.com/containerd/typeurl/v2"
 )
 
-// streamState is stream intake's part of the monitor, guarded by its mu.
-type streamState struct {
-	reader      reader
-	subscribed  *subscription   // by Subscribe, for Start
-	ignoredURLs logOnce[string] // type URLs the converter has no key for (under a lock of its own)
-	read        bool            // a Run or Start has read a stream: a later Run's first subscription follows an outage
+// Envelope is one event as a subscriber delivers it (the fields of
+// containerd's events.Envelope).
+type Envelope struct {
+	Timestamp time.Time
+	Namespace string
+	Topic     string
+	Event     typeurl.Any
 }
 
-// reader is where the one stream reader, a Run or a Start with a
-// subscription, is.
+// Subscriber is a source of envelopes, such as containerd's events service.
+// The stream ends when ctx ends; a broken stream sends one error on errs.
+type Subscriber interface {
+	Subscribe(ctx context.Context, filters ...string) (ch <-chan *Envelope, errs <-chan error)
+}
+
+// SubscriberFunc adapts a function to Subscriber.
+type SubscriberFunc func(ctx context.Context, filters ...string) (<-chan *Envelope, <-chan error)
+
+// Subscribe calls f.
+func (f SubscriberFunc) Subscribe(ctx context.Context, filters ...string) (<-chan *Envelope, <-chan error) {
+	return f(ctx, filters...)
+}
+
+// reader is where the one stream reader, a Run or a Start, is.
 type reader uint8
 
 const (
 	noReader  reader = iota
-	reserved         // subscribing, resyncing or waiting to re-subscribe: takes nothing
-	consuming        // in consume: Shutdown waits for it to see intake end
+	reserved         // subscribing, resyncing or waiting to re-subscribe
+	consuming        // reading a subscription: Shutdown waits for it to see intake end
 )
 
 // subscription is one stream opened on a Subscriber.
@@ -35,268 +50,246 @@ type subscription struct {
 	cancel context.CancelFunc
 }
 
-// Subscribe subscribes to s for Start, as containerd's CRI monitor does, until
-// Stop or Shutdown. Subscribing again before Start ends the earlier stream.
-// Without WithConverter it opens no stream, which nothing could read:
-// Start reports ErrNoConverter.
+var errStreamClosed = errors.New("eventmonitor: event stream closed")
+
+// Subscribe opens a stream on s for Start to read, as containerd's CRI
+// monitor does; it ends with Stop or Shutdown. Subscribing again before
+// Start ends the earlier stream.
 func (m *Monitor) Subscribe(s Subscriber, filters ...string) {
-	if isNil(s) {
-		panic("eventmonitor: Subscribe with a nil Subscriber")
-	}
-	sub := &subscription{cancel: func() {}}
-	if m.cfg.converter != nil {
-		ctx, cancel := context.WithCancel(m.intake)
-		sub.ch, sub.errs = s.Subscribe(ctx, filters...)
-		sub.cancel = cancel
-	}
+	ctx, cancel := context.WithCancel(m.intake)
+	ch, errs := s.Subscribe(ctx, filters...)
 	m.mu.Lock()
-	previous := m.stream.subscribed
-	m.stream.subscribed = sub
+	previous := m.subscribed
+	m.subscribed = &subscription{ch: ch, errs: errs, cancel: cancel}
 	m.mu.Unlock()
 	if previous != nil {
-		previous.cancel() // never started: nobody would read it
+		previous.cancel()
 	}
 }
 
-// Start reads the stream opened by Subscribe, as containerd's CRI monitor
-// does. Its channel delivers the stream's error if it breaks (wrapping
-// ErrStreamClosed if a callback on the reader, such as the converter or
-// drop handler, ends its goroutine), and is closed when reading ends; a
-// Stop or Shutdown closes it with no error. A Start called once they were
-// gets ErrStopped; without WithConverter, ErrNoConverter; while a Run or
-// another Start reads a stream, ErrAlreadyRunning. A Start that fails
-// leaves the subscription for the next. After a stream error, Submit,
-// WatchExit and replays go on until Stop.
-//
-// Without Subscribe, Start reads nothing and needs no converter: its channel
-// stays open until Stop, standing for the monitor's lifetime as containerd's
-// podsandbox controller uses it.
+// Start reads the stream Subscribe opened. Its channel delivers the stream's
+// error if it breaks, then closes; Stop or Shutdown close it with no error.
+// Without Subscribe, Start reads nothing: its channel closes when Stop is
+// done. Either way Start ends WithDeferredStart's hold.
 func (m *Monitor) Start() <-chan error {
 	m.mu.Lock()
-	sub := m.stream.subscribed
-	if sub == nil && !m.intakeEnded() { // else refused: Shutdown or Stop was called
-		defer m.mu.Unlock()
+	sub := m.subscribed
+	m.subscribed = nil
+	if sub == nil {
 		m.releaseHold()
+		m.mu.Unlock()
 		return m.lifetime
 	}
-	_, err := m.beginReading()
+	err := m.beginReading()
 	if err == nil {
-		m.stream.subscribed = nil
-		m.watchers.Add(1)
+		m.hadStream = true
 	}
 	m.mu.Unlock()
 	errCh := make(chan error, 1)
-	if err != nil { // the subscription waits for a Start that can read it, or Stop
+	if err != nil {
+		sub.cancel()
 		errCh <- err
 		close(errCh)
 		return errCh
 	}
 	go func() {
-		defer m.watchers.Done()
 		defer close(errCh)
-		report := func(err error) {
-			if err != nil && !m.intakeEnded() {
-				errCh <- err
-				m.cfg.logger.WithError(err).Error("event stream failed")
-			}
+		err := m.consume(m.intake, sub, nil)
+		sub.cancel()
+		m.endReading()
+		if err != nil && !m.intakeEnded() {
+			m.cfg.logger.WithError(err).Error("event stream failed")
+			errCh <- err
 		}
-		var err error
-		onGoexit(func() { err = m.readSubscribed(sub) }, func() { report(errReaderExited) })
-		report(err)
 	}()
 	return errCh
 }
 
-var errReaderExited = fmt.Errorf("%w: a callback ended the stream reader's goroutine (runtime.Goexit)", ErrStreamClosed)
-
-// readSubscribed is Start's reading of sub. It frees the reader's place
-// before Start reports (whoever reads its channel may Run or Start at once),
-// in defers, as a callback may end the goroutine.
-func (m *Monitor) readSubscribed(sub *subscription) error {
-	defer m.setReader(noReader)
-	defer sub.cancel()
-	_, err := m.consume(m.intake, sub, nil)
-	return err
-}
-
-// beginReading takes the one stream reader's place, for a Run or Start,
-// reporting whether a stream was read before: what was published since
-// went unread, an outage for Run to resync. mu is held.
-func (m *Monitor) beginReading() (outage bool, err error) {
+// beginReading takes the one stream reader's place, for a Run or Start.
+// mu is held.
+func (m *Monitor) beginReading() error {
 	switch {
-	case m.intakeEnded(): // Shutdown or Stop was called
-		return false, ErrStopped
+	case m.intakeEnded():
+		return ErrStopped
 	case m.cfg.converter == nil:
-		return false, ErrNoConverter
-	case m.stream.reader != noReader:
-		return false, ErrAlreadyRunning
+		return fmt.Errorf("%w: reading a stream needs WithConverter", ErrInvalidOption)
+	case m.reader != noReader:
+		return ErrAlreadyRunning
 	}
-	m.stream.reader = reserved
-	outage, m.stream.read = m.stream.read, true
+	m.reader = reserved
+	m.goroutines.Add(1)
 	m.releaseHold()
-	return outage, nil
+	return nil
 }
 
-// setReader moves the stream reader to r, waking Shutdown waiting for it.
-func (m *Monitor) setReader(r reader) {
+// endReading frees the reader's place.
+func (m *Monitor) endReading() {
 	m.mu.Lock()
-	m.stream.reader = r
-	m.reconcile()
+	m.reader = noReader
+	m.changed()
 	m.mu.Unlock()
+	m.goroutines.Done()
 }
 
-// Run subscribes to s and handles its events until ctx ends. When the stream
-// breaks it re-subscribes after a backoff (WithResubscribe, reset once a
-// subscription delivers) and, once the new subscription is established,
-// calls the WithResync hook to relist what the broken stream missed.
-//
-// Run returns ErrAlreadyRunning at once while a Run or Start is reading a
-// stream, ErrNoConverter without WithConverter, nil when ctx ends, and
-// ErrStopped once Shutdown or Stop is called (Shutdown's drain goes on).
-// It may be called again after it returned, or after a Start's stream
-// broke: the time between counts as an outage. Returning does not stop
-// the monitor: Shutdown or Stop does.
+// Run subscribes to s and handles its events until ctx ends. When the
+// stream breaks it re-subscribes after a backoff (WithResubscribe); each
+// subscription, once established, calls the WithResync hook. Run returns
+// nil when ctx ends, and ErrStopped once Shutdown or Stop is called;
+// returning does not stop the monitor.
 func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) error {
-	if isNil(s) {
-		return fmt.Errorf("%w: Run needs a subscriber", ErrInvalidOption)
-	}
 	m.mu.Lock()
-	outage, err := m.beginReading()
+	err := m.beginReading()
 	m.mu.Unlock()
 	if err != nil {
 		return err
 	}
-	defer m.setReader(noReader)
-
-	runCtx, cancel := context.WithCancel(ctx)
+	defer m.endReading()
+	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	defer context.AfterFunc(m.intake, cancel)()
-
-	ended := func() bool { return runCtx.Err() != nil || m.intakeEnded() } // runCtx ends an instant after intake
 	delay := m.cfg.resubInitial
-	for ; ; outage = true {
-		delivered, err := m.runOnce(runCtx, s, filters, outage)
-		if ended() {
+	for {
+		established, err := m.runOnce(ctx, s, filters)
+		if ctx.Err() != nil {
 			break
 		}
-		if delivered {
+		if established {
 			delay = m.cfg.resubInitial
+			m.cfg.logger.WithError(err).WithField("delay", delay).Warn("event stream broke; re-subscribing")
+		} else {
+			m.cfg.logger.WithError(err).WithField("delay", delay).Debug("re-subscribing failed; trying again")
 		}
-		m.cfg.logger.WithError(err).WithField("delay", delay).
-			Warn("event stream broke; re-subscribing")
 		wait := m.cfg.clock.NewTimer(delay) // not After: a fake clock would keep its waiter after ctx ends
 		select {
-		case <-runCtx.Done():
+		case <-ctx.Done():
 		case <-wait.C():
 		}
 		wait.Stop()
-		if ended() {
+		if ctx.Err() != nil {
 			break
 		}
-		m.mu.Lock()
-		m.stats.Resubscribed++
-		m.mu.Unlock()
-		delay = keyq.Doubled(delay, m.cfg.resubMax)
+		delay = doubled(delay, m.cfg.resubMax)
 	}
-	if ctx.Err() == nil {
+	if m.intakeEnded() {
 		return ErrStopped
 	}
 	return nil
 }
 
-// runOnce reads one subscription of Run's until it breaks or ctx ends; after
-// an outage, it runs the resync hook beside it once established (see
-// WithResync), and waits for the hook.
-func (m *Monitor) runOnce(ctx context.Context, s Subscriber, filters []string, outage bool) (delivered bool, err error) {
-	subCtx, cancelSub := context.WithCancel(ctx)
-	var resyncs sync.WaitGroup
-	defer func() { cancelSub(); resyncs.Wait() }() // deferred: user code may end the goroutine
-	ch, errs := s.Subscribe(subCtx, filters...)
-	var first chan struct{} // closed by consume at the first envelope
-	if hook := m.cfg.resync; outage && hook != nil {
-		first = make(chan struct{})
-		establishedBy := m.cfg.clock.NewTimer(m.cfg.resubInitial) // not refused by then
-		resyncs.Add(1)
-		go func() {
-			defer resyncs.Done()
-			select {
-			case <-subCtx.Done():
-			case <-first:
-			case <-establishedBy.C():
-			}
-			establishedBy.Stop() // an idle monitor holds no timer
-			if subCtx.Err() != nil {
-				return // refused, or ended: nothing to relist against
-			}
-			err := errOnPanic(errResyncPanic, func() error { return checked(hook(subCtx)) })
-			if err != nil && subCtx.Err() == nil {
-				m.cfg.logger.WithError(err).Warn("resync after re-subscription failed")
-			}
-		}()
-	}
-	return m.consume(subCtx, &subscription{ch: ch, errs: errs, cancel: cancelSub}, first)
+// runOnce reads one subscription until it breaks or ctx ends. Once it is
+// established (it delivered an envelope, or was not refused within the
+// initial resubscribe delay) the resync hook runs beside the reading, and
+// runOnce waits for it.
+func (m *Monitor) runOnce(ctx context.Context, s Subscriber, filters []string) (established bool, err error) {
+	ctx, cancel := context.WithCancel(ctx)
+	var hook sync.WaitGroup
+	defer func() { cancel(); hook.Wait() }()
+	ch, errs := s.Subscribe(ctx, filters...)
+	first := make(chan struct{})
+	hook.Add(1)
+	go func() {
+		defer hook.Done()
+		if established = m.established(ctx, first); established {
+			m.resync(ctx)
+		}
+	}()
+	err = m.consume(ctx, &subscription{ch: ch, errs: errs, cancel: cancel}, first)
+	cancel()
+	hook.Wait()
+	return established, err
 }
 
-var errResyncPanic = errors.New("resync hook panicked")
+// established waits until the subscription delivered (first closes) or was
+// not refused within the initial resubscribe delay; false if ctx ended.
+func (m *Monitor) established(ctx context.Context, first <-chan struct{}) bool {
+	timer := m.cfg.clock.NewTimer(m.cfg.resubInitial)
+	defer timer.Stop() // an idle monitor holds no timer
+	select {
+	case <-ctx.Done():
+		return false
+	case <-first:
+	case <-timer.C():
+	}
+	return ctx.Err() == nil
+}
 
-// consume reads sub until it breaks or ctx ends, reporting whether any
-// envelope arrived and the stream's error (ErrStreamClosed if it ended
-// without one; nil when ctx ended). A non-nil first is closed at the first
-// envelope. It reads only if intake is open as it begins: Shutdown, which
-// ends intake, waits for it to end only if it began.
-func (m *Monitor) consume(ctx context.Context, sub *subscription, first chan struct{}) (delivered bool, err error) {
+// resync counts a re-subscription and runs the hook, for an established
+// subscription.
+func (m *Monitor) resync(ctx context.Context) {
+	m.mu.Lock()
+	if m.hadStream {
+		m.stats.Resubscribed++
+	}
+	m.hadStream = true
+	m.mu.Unlock()
+	if hook := m.cfg.resync; hook != nil {
+		if err := hook(ctx); err != nil && ctx.Err() == nil {
+			m.cfg.logger.WithError(err).Warn("resync after subscribing failed")
+		}
+	}
+}
+
+// consume reads sub until it breaks or ctx ends, then takes what sub had
+// already delivered, so that nothing delivered is lost: queued while intake
+// is open or Shutdown drains, dropped after Stop. It closes first at the
+// first envelope. It reads nothing once intake ended before it began.
+func (m *Monitor) consume(ctx context.Context, sub *subscription, first chan struct{}) error {
 	m.mu.Lock()
 	open := !m.intakeEnded()
 	if open {
-		m.stream.reader = consuming
+		m.reader = consuming
 	}
 	m.mu.Unlock()
 	if !open {
-		return false, nil
+		return nil
 	}
 	defer m.setReader(reserved)
-	defer context.AfterFunc(ctx, m.wakeWaiters)() // intake waiting for room gives up
+	defer m.drain(ctx, sub.ch)
+	defer context.AfterFunc(ctx, m.wakeWaiters)() // an envelope waiting for room is taken at once
 	for {
 		select {
 		case <-ctx.Done():
-			return delivered, nil
+			return nil
 		case env, ok := <-sub.ch:
 			if !ok {
 				select { // a subscriber may send its error and close both channels at once
 				case err := <-sub.errs:
-					return delivered, checked(cmp.Or(err, ErrStreamClosed))
+					return cmp.Or(err, errStreamClosed)
 				default:
-					return delivered, ErrStreamClosed
+					return errStreamClosed
 				}
 			}
-			if !delivered && first != nil {
+			if first != nil {
 				close(first)
+				first = nil
 			}
-			delivered = true
 			m.ingest(ctx, env)
 		case err, ok := <-sub.errs:
 			if !ok || err != nil {
-				return m.ingestBuffered(ctx, sub.ch) || delivered, checked(cmp.Or(err, ErrStreamClosed))
+				return cmp.Or(err, errStreamClosed)
 			}
 		}
 	}
 }
 
-// ingestBuffered ingests what the subscriber sent before its error, which may
-// wait in a buffered channel still (containerd.NewSubscriber's does), until
-// none is ready, reporting whether any was.
-func (m *Monitor) ingestBuffered(ctx context.Context, ch <-chan *Envelope) (delivered bool) {
-	for ctx.Err() == nil {
+// drain ingests what ch holds without waiting for more.
+func (m *Monitor) drain(ctx context.Context, ch <-chan *Envelope) {
+	for {
 		select {
 		case env, ok := <-ch:
 			if !ok {
-				return delivered
+				return
 			}
-			delivered = true
 			m.ingest(ctx, env)
 		default:
-			return delivered
+			return
 		}
 	}
-	return delivered
+}
+
+func (m *Monitor) setReader(r reader) {
+	m.mu.Lock()
+	m.reader = r
+	m.changed()
+	m.mu.Unlock()
 }

@@ -184,6 +184,15 @@ type evRecord struct {
 	lastReturn bool    // the last call has returned
 }
 
+// attemptBudget is how many failed calls e may have before it is dropped:
+// Backoff counts one attempt.
+func attemptBudget(e stressEvent, maxAttempts int) int {
+	if e.Kind == kindBackoff {
+		return maxAttempts - 1
+	}
+	return maxAttempts
+}
+
 func (r *evRecord) ended() bool { return r.successes > 0 || len(r.drops) > 0 || r.forgotten > 0 }
 
 // keyRecord is one key's events, in sequence order, and its handler calls.
@@ -411,7 +420,7 @@ func (l *ledger) dropped(d eventmonitor.Drop) {
 		case "max_attempts":
 			if l.cfg.maxAttempts == 0 {
 				l.v.add("%v: dropped for max attempts without WithMaxAttempts", se)
-			} else if r.failures != l.cfg.maxAttempts {
+			} else if r.failures != attemptBudget(se, l.cfg.maxAttempts) {
 				l.v.add("%v: dropped for max attempts after %d failed calls (max %d)", se, r.failures, l.cfg.maxAttempts)
 			}
 		case "queue_full":
@@ -482,7 +491,7 @@ func (l *ledger) check() totals {
 		if r.calls > 0 && !r.lastReturn {
 			l.v.add("%v: a handler call never returned", e)
 		}
-		if l.cfg.maxAttempts > 0 && r.failures > l.cfg.maxAttempts {
+		if l.cfg.maxAttempts > 0 && r.failures > attemptBudget(e, l.cfg.maxAttempts) {
 			l.v.add("%v: %d failed calls, beyond max attempts %d", e, r.failures, l.cfg.maxAttempts)
 		}
 		endings := r.successes + len(r.drops) + r.forgotten
@@ -662,7 +671,7 @@ func sample(m *eventmonitor.Monitor, l *ledger, v *violations, cfg stressConfig,
 			key := fmt.Sprintf("k%02d", k)
 			endedBefore := l.endedSet(k)
 			m.InBackoff(key)
-			m.NextRetry()
+			m.Pending()
 			for _, p := range m.Pending() {
 				if cfg.maxAttempts > 0 && p.Attempts >= cfg.maxAttempts {
 					v.add("Pending: key %s at attempt %d, max %d", p.Key, p.Attempts, cfg.maxAttempts)

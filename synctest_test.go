@@ -66,7 +66,7 @@ func TestRetriesAndTimeoutsInASynctestBubble(t *testing.T) {
 		if err := m.Submit("c2", "hangs"); err != nil {
 			t.Fatal(err)
 		}
-		time.Sleep(eventmonitor.DefaultHandleTimeout - time.Nanosecond)
+		time.Sleep(10*time.Second - time.Nanosecond)
 		synctest.Wait()
 		if err := timedOut.Load(); err != nil {
 			t.Fatalf("the call's context ended before its deadline: %v", *err)
@@ -119,8 +119,8 @@ func TestStopAndShutdownReturnExactlyAtTheOverrun(t *testing.T) {
 				synctest.Wait()
 				select {
 				case err := <-returned:
-					if how == "Shutdown" && !errors.Is(err, eventmonitor.ErrStopped) {
-						t.Fatalf("Shutdown: %v, want ErrStopped for the abandoned call", err)
+					if err != nil {
+						t.Fatalf("%s: %v, want nil (the abandoned call's drop reports the loss)", how, err)
 					}
 				default:
 					t.Fatalf("%s did not return as the call overran", how)

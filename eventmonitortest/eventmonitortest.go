@@ -5,32 +5,18 @@
 // (eventmonitor.WithClock), hand it events, and let Step and
 // StepToNextRetry move time: each waits until the monitor is idle
 // (Monitor.WaitIdle) before and after moving the clock, so a test asserts
-// what happened at exactly that time with no sleep and no race.
+// what happened at exactly that time, with no sleep and no race.
 //
 //	clk := testclock.NewFakeClock(start)
 //	m, _ := eventmonitor.New(handler, eventmonitor.WithClock(clk))
-//	m.Submit("c1", event)                          // fails: backs off 1 s
+//	m.Submit("c1", event)                                  // fails: backs off 1 s
 //	eventmonitortest.Step(t, m, clk, 999*time.Millisecond) // not retried yet
 //	eventmonitortest.Step(t, m, clk, time.Millisecond)     // retried now
 //
-// Step and StepToNextRetry settle first, which waits for calls in
-// progress: to end a call at its deadline, step clk yourself, then Settle.
-// A handler that blocks until its ctx ends keeps the monitor busy, so
-// while one runs, WaitIdle is no sync point for other keys: run such a
-// test in a testing/synctest bubble, where synctest.Wait is one.
-//
-// While a handler call runs (with WithHandleTimeout above 0), until it
-// overruns (its deadline plus a grace, see WithHandleTimeout), it holds a
-// timer on the clock, so FakeClock.HasWaiters is true then; once the call
-// overran, it holds none of its own. An idle
-// monitor holds none unless a key waits in backoff or Run waits (to
-// re-subscribe, or before a resync). Tests should not use HasWaiters to
-// learn whether a retry is scheduled: use NextRetry or Monitor.Pending.
-//
-// A handler's ctx.Deadline is on the fake clock, but the network code under
-// it (net.Dialer, gRPC, ttrpc) reads it against the real time: start the
-// fake clock at time.Now() for handlers doing real I/O, or use
-// WithHandleTimeout(0).
+// Settling waits for calls in progress, so to end a call at its deadline
+// step clk yourself, then Settle. A handler's ctx.Deadline is on the fake
+// clock, but network code under it reads it against the real time: start
+// the fake clock at time.Now() for handlers doing real I/O.
 package eventmonitortest
 
 import (
@@ -67,19 +53,25 @@ func Step(t testing.TB, m *eventmonitor.Monitor, clk *testclock.FakeClock, d tim
 	Settle(t, m)
 }
 
-// StepToNextRetry settles m, moves clk to the moment the next backoff replay
-// is due, settles m again, and returns how far it moved the clock: the
-// delay a test asserts. It fails t if no key is waiting in backoff.
+// StepToNextRetry settles m, moves clk to the moment the next retry is due,
+// settles m again, and returns how far it moved the clock: the delay a test
+// asserts. It fails t if no key is waiting in backoff.
 func StepToNextRetry(t testing.TB, m *eventmonitor.Monitor, clk *testclock.FakeClock) time.Duration {
 	t.Helper()
 	Settle(t, m)
-	due, ok := m.NextRetry()
-	if !ok {
+	pending := m.Pending()
+	if len(pending) == 0 {
 		t.Fatalf("eventmonitortest: no key is waiting in backoff (stats %+v)", m.Stats())
+	}
+	due := pending[0].Due
+	for _, p := range pending[1:] {
+		if p.Due.Before(due) {
+			due = p.Due
+		}
 	}
 	now := clk.Now()
 	if due.After(now) { // not if a held monitor (WithDeferredStart) let it pass
-		clk.SetTime(due) // not Step(due.Sub(now)): Sub stops at about 292 years
+		clk.SetTime(due)
 	}
 	Settle(t, m)
 	return max(0, due.Sub(now))

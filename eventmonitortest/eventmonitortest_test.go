@@ -88,7 +88,7 @@ func TestStepToNextRetryAfterTheClockWentFarBack(t *testing.T) {
 		t.Fatal(err)
 	}
 	eventmonitortest.Settle(t, m)
-	due, _ := m.NextRetry()
+	due := m.Pending()[0].Due
 	clk.SetTime(time.Date(1, 1, 1, 0, 0, 0, 0, time.UTC))
 	eventmonitortest.StepToNextRetry(t, m, clk)
 	if got := h.callCount(); got != 2 || !clk.Now().Equal(due) {

@@ -103,7 +103,7 @@ type Relister struct {
 	lastListed time.Time // when the last relist that listed successfully started
 }
 
-// record is what the last accepted listing said about one pod.
+// record is what the sink was last told about one pod.
 type record struct {
 	containers []Container
 	states     map[string]State // containers by ID, for pods too big to scan; nil until needed
@@ -336,19 +336,21 @@ func (r *Relister) apply(ctx context.Context, work []podWork) error {
 	}
 	inspected := r.inspectAll(ctx, work)
 	errs := make([]error, len(work))
+	sunk := make([]int, len(work))
 	for i, w := range work {
 		if err := <-inspected[i]; err != nil {
 			errs[i] = err
 			continue
 		}
-		errs[i] = r.sinkPod(ctx, w)
+		sunk[i], errs[i] = r.sinkPod(ctx, w)
 	}
 
 	for i, w := range work {
 		rec := r.records[w.id]
 		switch {
 		case errs[i] != nil:
-			rec.reinspect = true // keep the old containers: same events next relist
+			rec.advance(w.events[:sunk[i]]) // the rest comes again next relist, not what the sink took
+			rec.reinspect = true
 		case w.pod == nil:
 			delete(r.records, w.id)
 		default:
@@ -394,13 +396,36 @@ func (r *Relister) inspectAll(ctx context.Context, work []podWork) []chan error 
 	return inspected
 }
 
-func (r *Relister) sinkPod(ctx context.Context, w podWork) error {
-	for _, e := range w.events {
+// sinkPod hands w's events to the sink until one fails, returning how many
+// it took.
+func (r *Relister) sinkPod(ctx context.Context, w podWork) (int, error) {
+	for i, e := range w.events {
 		if err := r.sink(ctx, e); err != nil {
-			return fmt.Errorf("relist: pod %s: %s %s: %w", w.id, e.Type, e.ContainerID, err)
+			return i, fmt.Errorf("relist: pod %s: %s %s: %w", w.id, e.Type, e.ContainerID, err)
 		}
 	}
-	return nil
+	return len(w.events), nil
+}
+
+// advance applies events the sink took to the record, so that a relist
+// after a failed sink call emits only what the sink has not taken.
+func (rec *record) advance(events []Event) {
+	for _, e := range events {
+		i := slices.IndexFunc(rec.containers, func(c Container) bool { return c.ID == e.ContainerID })
+		if e.Type == ContainerRemoved {
+			if i >= 0 {
+				rec.containers = slices.Delete(rec.containers, i, i+1)
+			}
+			continue
+		}
+		state := map[EventType]State{ContainerStarted: StateRunning, ContainerDied: StateExited, ContainerChanged: StateUnknown}[e.Type]
+		if i < 0 {
+			rec.containers = append(rec.containers, Container{ID: e.ContainerID, State: state})
+		} else {
+			rec.containers[i].State = state
+		}
+	}
+	rec.states = nil
 }
 
 // diff lists the events that turn old into new: containers in new's order,

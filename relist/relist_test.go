@@ -186,22 +186,38 @@ func TestFailedInspectIsRetriedAndLosesNothing(t *testing.T) {
 	assert.Equal(t, 3, inspected["p1"])
 }
 
-func TestFailedSinkEmitsAgain(t *testing.T) {
-	rt := &runtime{}
-	out := &sink{fail: map[Event]int{{"p1", ContainerRemoved, "a"}: 1}}
-	r := New(rt.list, out.add)
-	ctx := context.Background()
-	rt.set(pod("p1", c("a", StateRunning)))
-	require.NoError(t, r.Relist(ctx))
-	out.take()
-	rt.set()
-	require.ErrorContains(t, r.Relist(ctx), "sink refused")
-	assert.Equal(t, []Event{{"p1", ContainerDied, "a"}}, out.take())
-	require.NoError(t, r.Relist(ctx))
-	assert.Equal(t, []Event{{"p1", ContainerDied, "a"}, {"p1", ContainerRemoved, "a"}}, out.take(),
-		"the pod kept its record: its events come again (delayed, never lost)")
-	require.NoError(t, r.Relist(ctx))
-	assert.Empty(t, out.take())
+// A sink that fails gets the event it refused again next relist, and the
+// pod's later events after it, but never one it already took.
+func TestFailedSinkResumesWhereItStopped(t *testing.T) {
+	for _, tc := range []struct {
+		name        string
+		before      []Container
+		refused     Event
+		first, then []Event
+	}{
+		{"a container's second event", []Container{c("a", StateRunning)}, Event{"p1", ContainerRemoved, "a"},
+			[]Event{{"p1", ContainerDied, "a"}}, []Event{{"p1", ContainerRemoved, "a"}}},
+		{"a later container's", []Container{c("a", StateRunning), c("b", StateRunning)}, Event{"p1", ContainerDied, "b"},
+			[]Event{{"p1", ContainerDied, "a"}, {"p1", ContainerRemoved, "a"}},
+			[]Event{{"p1", ContainerDied, "b"}, {"p1", ContainerRemoved, "b"}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rt := &runtime{}
+			out := &sink{fail: map[Event]int{tc.refused: 1}}
+			r := New(rt.list, out.add)
+			ctx := context.Background()
+			rt.set(pod("p1", tc.before...))
+			require.NoError(t, r.Relist(ctx))
+			out.take()
+			rt.set() // the pod is gone
+			require.ErrorContains(t, r.Relist(ctx), "sink refused")
+			assert.Equal(t, tc.first, out.take())
+			require.NoError(t, r.Relist(ctx))
+			assert.Equal(t, tc.then, out.take(), "the refused event comes again (delayed, never lost), and only what followed it")
+			require.NoError(t, r.Relist(ctx))
+			assert.Empty(t, out.take())
+		})
+	}
 }
 
 func TestListErrorChangesNothing(t *testing.T) {

@@ -112,17 +112,11 @@ func run(ctx context.Context, address, namespace string, fail float64, backoff t
 
 // watchExit waits for the exit of the task that start reports, through the
 // Tasks service, and hands it to m as a TaskExit of key, saying where it
-// came from and, if its status could not be read, why.
+// came from (an unreadable status arrives as eventmonitor.UnknownExitCode).
 func watchExit(ctx context.Context, m *eventmonitor.Monitor, conn grpc.ClientConnInterface, namespace, key string, start *events.TaskStart) {
 	build := containerd.TaskExit(start.ContainerID, start.ContainerID, start.Pid)
-	eventmonitor.WatchExitResult(ctx, m, key, containerd.WaitExit(ctx, conn, namespace, start.ContainerID, ""),
-		func(code uint32, exitedAt time.Time, err error) any {
-			via := " (from WaitExit)"
-			if errors.Is(err, containerd.ErrTaskGone) {
-				via = " (from WaitExit: task gone, exit code unknown)"
-			} else if err != nil {
-				via = fmt.Sprintf(" (from WaitExit: %v)", err)
-			}
-			return keyed{key: key, event: build(code, exitedAt), via: via}
+	eventmonitor.WatchExit(ctx, m, key, containerd.WaitExit(ctx, conn, namespace, start.ContainerID, ""),
+		func(code uint32, exitedAt time.Time) any {
+			return keyed{key: key, event: build(code, exitedAt), via: " (from WaitExit)"}
 		})
 }
