@@ -1,13 +1,13 @@
 package main
 
 // Scenario 6: events out of a real containerd, end to end. The parent starts
-// the tests' temporary containerd and publishes TaskExit events into it as
-// fast as it takes them; a subscriber process of its own (this binary again,
-// so that its CPU time is its own) reads them either with a bare gRPC
-// subscription loop that decodes each with typeurl and calls a no-op, or
-// with eventmonitor through containerd.NewSubscriber and the containerd
-// converter. Each event carries its publish time, so the subscriber measures
-// publish-to-handler latency.
+// a private containerd (containerdtest.New) and publishes TaskExit events
+// into it as fast as it takes them; a subscriber process of its own (this
+// binary again, so that its CPU time is its own) reads them either with a
+// bare gRPC subscription loop that decodes each with typeurl and calls a
+// no-op, or with eventmonitor through containerd.NewSubscriber and the
+// containerd converter. Each event carries its publish time, so the
+// subscriber measures publish-to-handler latency.
 
 import (
 	"bufio"
@@ -37,7 +37,7 @@ import (
 
 	"github.com/eventmonitor/eventmonitor"
 	"github.com/eventmonitor/eventmonitor/containerd"
-	"github.com/eventmonitor/eventmonitor/internal/daemon"
+	"github.com/eventmonitor/eventmonitor/containerd/containerdtest"
 )
 
 // The subscriber variants.
@@ -86,8 +86,8 @@ const (
 // the medians side by side; or says why it cannot.
 func e2eTable(n, runs int) {
 	fmt.Println("\n6. end to end through a real containerd (TaskExit events)")
-	d, err := daemon.Start(false)
-	if errors.Is(err, daemon.ErrNotInstalled) {
+	d, err := containerdtest.New()
+	if errors.Is(err, containerdtest.ErrUnavailable) {
 		fmt.Println("   skipped:", err)
 		return
 	}
@@ -96,7 +96,11 @@ func e2eTable(n, runs int) {
 		os.Exit(1)
 	}
 	defer d.Remove()
-	fmt.Printf("   containerd %s\n", serverVersion(d))
+	version, err := d.Version()
+	if err != nil {
+		version = "(version unknown)"
+	}
+	fmt.Printf("   containerd %s\n", version)
 
 	flood, paced := map[string][]e2eResult{}, map[string][]e2eResult{}
 	for range max(1, runs) {
@@ -105,9 +109,10 @@ func e2eTable(n, runs int) {
 				results map[string][]e2eResult
 				n, rate int
 			}{{flood, n, 0}, {paced, pacedEvents, pacedRate}} {
-				r, err := e2eRun(d.Socket, v, pass.n, pass.rate)
+				r, err := e2eRun(d.Address(), v, pass.n, pass.rate)
 				if err != nil {
 					fmt.Fprintf(os.Stderr, "bench: end to end, %s: %v\n", v, err)
+					d.Remove()
 					os.Exit(1)
 				}
 				pass.results[v] = append(pass.results[v], r)
@@ -155,21 +160,6 @@ func e2eTable(n, runs int) {
 	}
 	w.Flush()
 	fmt.Printf("   medians of %d runs; latency from publish to handler; CPU is the subscriber process's own, user and system\n", runs)
-}
-
-// serverVersion is the daemon's version as ctr reports it.
-func serverVersion(d *daemon.Daemon) string {
-	out, err := d.Ctr("version")
-	if err != nil {
-		return "(version unknown)"
-	}
-	_, server, _ := strings.Cut(out, "Server:")
-	for _, line := range strings.Split(server, "\n") {
-		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "Version:"); ok {
-			return strings.TrimSpace(v)
-		}
-	}
-	return "(version unknown)"
 }
 
 // e2eRun starts a subscriber process of variant, waits until its

@@ -2,12 +2,10 @@ package containerd_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"time"
 
 	"github.com/containerd/containerd/api/events"
-	"github.com/containerd/log"
 	"github.com/containerd/typeurl/v2"
 
 	"github.com/eventmonitor/eventmonitor"
@@ -75,9 +73,9 @@ func ExampleTaskExit() {
 
 // A runtime's own exit wait that a daemon restart does not turn into an
 // exit: WaitExit waits through containerd's Tasks service, and waits again
-// when the connection breaks. The builder given to WatchExitResult sees
-// why a status could not be read: ErrTaskGone when the daemon no longer
-// has the task.
+// when the connection breaks. A task the daemon no longer has is reported
+// with eventmonitor.UnknownExitCode; read WaitExit's channel yourself to
+// tell why (ErrTaskGone).
 func ExampleWaitExit() {
 	ctx := context.Background()
 	conn, err := containerd.Dial(ctx, "/run/containerd/containerd.sock")
@@ -97,16 +95,8 @@ func ExampleWaitExit() {
 	defer m.Stop()
 
 	const id, pid = "c1", 4242
-	build := containerd.TaskExit(id, id, pid)
-	eventmonitor.WatchExitResult(ctx, m, id, containerd.WaitExit(ctx, conn, containerd.K8sNamespace, id, ""),
-		func(code uint32, exitedAt time.Time, err error) any {
-			if errors.Is(err, containerd.ErrTaskGone) {
-				// Deleted, or lost with its shim: code is
-				// eventmonitor.UnknownExitCode, as containerd reports it.
-				log.L.WithError(err).Warnf("exit status of %s unknown", id)
-			}
-			return build(code, exitedAt)
-		})
+	eventmonitor.WatchExit(ctx, m, id, containerd.WaitExit(ctx, conn, containerd.K8sNamespace, id, ""),
+		containerd.TaskExit(id, id, pid))
 }
 
 // subscribe stands for the Subscribe method of containerd's client, here

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -300,7 +301,14 @@ func TestFromSubscribeInDaemon(t *testing.T) {
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- m.Run(ctx, containerd.FromSubscribe(remoteSubscribe(c.conn))) }()
+	var subscribed atomic.Int32
+	subscribe := remoteSubscribe(c.conn)
+	go func() {
+		done <- m.Run(ctx, containerd.FromSubscribe(func(ctx context.Context, filters ...string) (<-chan *Envelope, <-chan error) {
+			subscribed.Add(1)
+			return subscribe(ctx, filters...)
+		}))
+	}()
 	t.Cleanup(func() {
 		cancel()
 		assert.NoError(t, <-done)
@@ -312,5 +320,5 @@ func TestFromSubscribeInDaemon(t *testing.T) {
 	assert.Equal(t, uint32(7), h.of("c1")[0].(*events.TaskExit).ExitStatus)
 
 	d.Stop()
-	waitFor(t, "a re-subscription after the stream's error", func() bool { return m.Stats().Resubscribed > 0 })
+	waitFor(t, "a re-subscription after the stream's error", func() bool { return subscribed.Load() > 1 })
 }

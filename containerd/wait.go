@@ -44,7 +44,7 @@ const waitOtherAttempts = 3
 
 // ExitStatus is a task's exit as WaitExit delivers it. Result makes it an
 // eventmonitor.ExitStatus, so that WaitExit's channel plugs into
-// eventmonitor.WatchExit and WatchExitResult as it is; ExitCode, ExitTime
+// eventmonitor.WatchExit as it is; ExitCode, ExitTime
 // and Error read as containerd's client type of the same name does.
 type ExitStatus struct {
 	code     uint32
@@ -90,9 +90,8 @@ func (s ExitStatus) Error() error { return s.err }
 //     any other error 3 times in a row (a malformed request, a permission
 //     denied: nothing waiting again would change);
 //   - nothing, when ctx ends first: the channel is closed without a value.
-//     eventmonitor.WatchExit and WatchExitResult then do nothing if their
-//     own ctx has ended too (pass them the same ctx), and otherwise report
-//     eventmonitor.ErrNoExitStatus.
+//     eventmonitor.WatchExit then does nothing if its own ctx has ended
+//     too (pass it the same ctx), and otherwise reports UnknownExitCode.
 //
 // The channel has room for its one value, so WaitExit's goroutine never
 // waits for a reader, and ends with ctx at the latest. A transport error is

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"syscall"
@@ -17,6 +16,7 @@ import (
 
 	"github.com/eventmonitor/eventmonitor"
 	"github.com/eventmonitor/eventmonitor/containerd"
+	"github.com/eventmonitor/eventmonitor/containerd/containerdtest"
 )
 
 // TestWaitExitGoneInDaemon asks a real daemon for the exit of a task that
@@ -65,25 +65,17 @@ func TestWaitExitGoneInDaemon(t *testing.T) {
 // task.Wait, each wait would have delivered status 255 at the kill.
 func TestWaitExitAcrossDaemonRestart(t *testing.T) {
 	t.Parallel()
-	requireContainers(t)
 	d := startDaemon(t, true)
-	rootfs := filepath.Join(d.Dir, "rootfs")
-	buildExitProgram(t, rootfs)
 	c := dial(t, d)
-	ns := fmt.Sprintf("emtest-w%d", os.Getpid())
-	t.Cleanup(func() { removeCgroups(t, ns) })
+	ns := "emtest-wait"
 	pids := map[string]int{}
 	for _, tc := range []struct {
 		id   string
 		code int
 	}{{"later", 42}, {"during", 43}, {"lost", 44}} {
-		t.Cleanup(func() { // before the daemon goes: end the shim, whatever happened
-			d.Ctr("-n", ns, "task", "delete", "--force", tc.id)
-			d.Ctr("-n", ns, "containers", "delete", tc.id)
-		})
-		d.mustCtr("-n", ns, "run", "-d", "--rootfs", rootfs, tc.id, "/exit", strconv.Itoa(tc.code), "/release-"+tc.id)
+		require.NoError(t, d.Run(ns, tc.id, containerdtest.Process{ExitCode: tc.code, Release: tc.id}))
 	}
-	// TASK PID STATUS, after a header (and, from 2.x, maybe a warning).
+	// TASK PID STATUS, after a header.
 	for _, line := range strings.Split(d.mustCtr("-n", ns, "task", "ls"), "\n") {
 		if f := strings.Fields(line); len(f) == 3 && f[1] != "PID" {
 			require.Equal(t, "RUNNING", f[2], line)
@@ -107,11 +99,9 @@ func TestWaitExitAcrossDaemonRestart(t *testing.T) {
 
 	d.Kill()
 	killedAt := time.Now()
-	release := func(id string) {
-		require.NoError(t, os.WriteFile(filepath.Join(rootfs, "release-"+id), nil, 0o600))
-	}
-	release("during")
-	shim := parentOf(t, pids["lost"])
+	require.NoError(t, d.Release("during"))
+	shim, err := d.ShimPid(ns, "lost")
+	require.NoError(t, err)
 	require.NoError(t, syscall.Kill(shim, syscall.SIGKILL))
 	require.NoError(t, syscall.Kill(pids["lost"], syscall.SIGKILL))
 	for _, id := range []string{"during", "lost"} {
@@ -135,7 +125,7 @@ func TestWaitExitAcrossDaemonRestart(t *testing.T) {
 	t.Logf("the exit during the outage was delivered %v after the daemon was back: %+v",
 		time.Since(back).Round(time.Millisecond), s)
 	code, exitedAt, err := s.Result()
-	if serverMajor(t, d) < 2 {
+	if d.major() < 2 {
 		require.NoError(t, err, "daemon log:\n%s", d.Log())
 		assert.Equal(t, uint32(43), code)
 		assert.True(t, exitedAt.After(killedAt) && exitedAt.Before(back), "exited at %v, during the outage", exitedAt)
@@ -153,7 +143,7 @@ func TestWaitExitAcrossDaemonRestart(t *testing.T) {
 		t.Fatalf("handled %v before the container exited", h.of("later"))
 	default:
 	}
-	release("later")
+	require.NoError(t, d.Release("later"))
 	select {
 	case <-watched:
 	case <-time.After(20 * time.Second):
@@ -164,36 +154,6 @@ func TestWaitExitAcrossDaemonRestart(t *testing.T) {
 	exit := got[0].(*events.TaskExit)
 	assert.Equal(t, uint32(42), exit.ExitStatus)
 	assert.Equal(t, uint32(pids["later"]), exit.Pid)
-}
-
-// serverMajor is the daemon's major version.
-func serverMajor(t *testing.T, d *testDaemon) int {
-	t.Helper()
-	out := d.mustCtr("version")
-	_, server, _ := strings.Cut(out, "Server:")
-	for _, line := range strings.Split(server, "\n") {
-		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "Version:"); ok {
-			major, _, _ := strings.Cut(strings.TrimPrefix(strings.TrimSpace(v), "v"), ".")
-			n, err := strconv.Atoi(major)
-			require.NoError(t, err, "server version in %q", out)
-			return n
-		}
-	}
-	t.Fatalf("no server version in %q", out)
-	return 0
-}
-
-// parentOf is the parent process of pid: for a container's init process,
-// its shim.
-func parentOf(t *testing.T, pid int) int {
-	t.Helper()
-	stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	require.NoError(t, err)
-	// pid (comm) state ppid ...: comm may hold spaces, so read after its ")".
-	fields := strings.Fields(string(stat[strings.LastIndexByte(string(stat), ')')+1:]))
-	ppid, err := strconv.Atoi(fields[1])
-	require.NoError(t, err)
-	return ppid
 }
 
 // alive reports whether pid is a process that has not exited (a zombie

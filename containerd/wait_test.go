@@ -276,10 +276,10 @@ func TestWaitExitAcrossABrokenConnection(t *testing.T) {
 	assert.GreaterOrEqual(t, len(f.callsMade()), 2)
 }
 
-// TestWaitExitThroughWatchExitResult plugs WaitExit into the monitor: a
-// builder given to WatchExitResult sees ErrTaskGone and can tell a task
-// that is gone from a real exit.
-func TestWaitExitThroughWatchExitResult(t *testing.T) {
+// TestWaitExitThroughWatchExit plugs WaitExit into the monitor: a task the
+// daemon no longer has is reported as containerd reports one, with
+// UnknownExitCode.
+func TestWaitExitThroughWatchExit(t *testing.T) {
 	f := newFakeTasks(t, func(_ context.Context, call int) (*tasksapi.WaitResponse, error) {
 		return nil, status.Error(codes.NotFound, "not found")
 	})
@@ -287,15 +287,8 @@ func TestWaitExitThroughWatchExitResult(t *testing.T) {
 	m, err := eventmonitor.New(h)
 	require.NoError(t, err)
 	defer m.Stop()
-	var built error
-	build := containerd.TaskExit("c1", "c1", 7)
-	<-eventmonitor.WatchExitResult(context.Background(), m, "c1",
-		containerd.WaitExit(context.Background(), dialFake(t, f), "k8s.io", "c1", ""),
-		func(code uint32, exitedAt time.Time, err error) any {
-			built = err
-			return build(code, exitedAt)
-		})
-	require.ErrorIs(t, built, containerd.ErrTaskGone)
+	<-eventmonitor.WatchExit(context.Background(), m, "c1",
+		containerd.WaitExit(context.Background(), dialFake(t, f), "k8s.io", "c1", ""), containerd.TaskExit("c1", "c1", 7))
 	got := h.of("c1")
 	require.Len(t, got, 1)
 	assert.Equal(t, uint32(eventmonitor.UnknownExitCode), got[0].(*events.TaskExit).ExitStatus)
