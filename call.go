@@ -18,7 +18,7 @@ const (
 	inTime    callState = iota // running, its deadline (if any) ahead
 	late                       // past its deadline: its ctx ended
 	overran                    // past its deadline and the grace: logged, its worker maybe replaced
-	settling                   // returned, its event dropped: the drop is being reported
+	settling                   // returned and counted: its outcome is being reported
 	abandoned                  // Stop gave up on it: its event is dropped, its goroutine leaves unseen
 )
 
@@ -122,7 +122,7 @@ var errHandlerExited = errors.New("eventmonitor: handler ended its goroutine (ru
 // its goroutine fails its call, and a new goroutine takes the slot on.
 func (m *Monitor) handle(c *call) *call {
 	if c.it.attempts > 0 {
-		entry := m.itemLog(c.key.name, c.it).WithField("events", c.behind+1)
+		entry := m.itemLog(c.key.name, c.it).WithFields(log.Fields{"attempt": c.it.attempts + 1, "events": c.behind + 1})
 		if c.it.lastErr != nil { // an event given to Backoff has none
 			entry = entry.WithField("previous_error", c.it.lastErr)
 		}
@@ -188,19 +188,25 @@ func (m *Monitor) finish(c *call, err error) (next *call) {
 	}
 	out.overran = c.state == overran
 	m.settle(c, &out)
+	reported := out.err != nil || out.overran || m.cfg.metrics != nil
+	if reported {
+		c.state = settling // WaitIdle and Stop wait for its report too
+	}
 	if c.slot == ownSlot {
 		if next = m.takeReady(); next == nil {
 			m.busy--
 		}
 	}
-	if c.state != settling {
+	if !reported {
 		m.endCall(c)
 	}
 	m.mu.Unlock()
-	m.report(c, out)
-	if c.state == settling { // unguarded: only this goroutine changes a settling call
+	if reported {
+		m.report(c, out)
 		m.mu.Lock()
-		m.keys.done(c.key)
+		if out.drop != nil { // the drop handler saw the event before its key moves on
+			m.keys.done(c.key)
+		}
 		m.endCall(c)
 		m.mu.Unlock()
 	}
@@ -215,10 +221,9 @@ func (m *Monitor) endCall(c *call) {
 }
 
 // settle records a returned call's outcome and moves its key on: handled,
-// ignored, or back at its key's head to wait. A call whose event is given
-// up on is settling: its key waits until finish has reported the drop, so
-// that the drop handler sees the event before the key's next one. mu is
-// held.
+// ignored, or back at its key's head to wait. The key of an event given up
+// on waits until finish has reported the drop, so that the drop handler
+// sees the event before the key's next one. mu is held.
 func (m *Monitor) settle(c *call, out *outcome) {
 	switch {
 	case out.err == nil && out.ignored:
@@ -242,7 +247,6 @@ func (m *Monitor) settle(c *call, out *outcome) {
 			return
 		}
 		m.stats.Dropped++
-		c.state = settling
 		return
 	}
 	m.keys.done(c.key)

@@ -81,7 +81,7 @@ func WithHandleTimeout(d time.Duration) Option { return func(c *config) { c.hand
 func WithMaxOverruns(n int) Option { return func(c *config) { c.maxOverruns = n } }
 
 // WithMaxAttempts drops an event with ErrMaxAttempts after n failed handler
-// calls; default 0, retry forever.
+// calls (an event given to Backoff has used one); default 0, retry forever.
 func WithMaxAttempts(n int) Option { return func(c *config) { c.maxAttempts = n } }
 
 // WithMaxQueuedPerKey bounds the events one key may hold, its call's
