@@ -52,6 +52,9 @@ func awaitExit[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh
 	defer m.goroutines.Done() // before the call, which counts itself
 	var s S
 	var received bool
+	if ctx.Err() != nil {
+		return nil // none is taken once ctx has ended
+	}
 	select {
 	case <-ctx.Done():
 		return nil

@@ -94,7 +94,7 @@ func (m *Monitor) Start() <-chan error {
 	}
 	go func() {
 		defer close(errCh)
-		err := m.consume(m.intake, sub, nil)
+		_, err := m.consume(m.intake, sub, nil)
 		sub.cancel()
 		m.endReading()
 		if err != nil && !m.intakeEnded() {
@@ -176,64 +176,69 @@ func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) erro
 	return nil
 }
 
-// runOnce reads one subscription until it breaks or ctx ends. Once it is
-// established (it delivered an envelope, or was not refused within the
-// initial resubscribe delay) the resync hook runs beside the reading, and
-// runOnce waits for it.
+// runOnce reads one subscription until it breaks or ctx ends. It is
+// established once it delivers an envelope or is not refused within the
+// initial resubscribe delay; then the resync hook runs beside the reading,
+// and runOnce waits for it.
 func (m *Monitor) runOnce(ctx context.Context, s Subscriber, filters []string) (established bool, err error) {
 	ctx, cancel := context.WithCancel(ctx)
 	var hook sync.WaitGroup
 	defer func() { cancel(); hook.Wait() }()
 	ch, errs := s.Subscribe(ctx, filters...)
-	first := make(chan struct{})
+	first := make(chan struct{}) // closed by consume at the first envelope
+	hooked := false
 	hook.Add(1)
 	go func() {
 		defer hook.Done()
-		if established = m.established(ctx, first); established {
-			m.resync(ctx)
+		if hooked = m.established(ctx, first); hooked {
+			m.counted()
+			if fn := m.cfg.resync; fn != nil {
+				if err := fn(ctx); err != nil && ctx.Err() == nil {
+					m.cfg.logger.WithError(err).Warn("resync after subscribing failed")
+				}
+			}
 		}
 	}()
-	err = m.consume(ctx, &subscription{ch: ch, errs: errs, cancel: cancel}, first)
+	delivered, err := m.consume(ctx, &subscription{ch: ch, errs: errs, cancel: cancel}, first)
 	cancel()
 	hook.Wait()
-	return established, err
+	if delivered && !hooked { // it broke before the hook saw it: no resync against a broken stream
+		m.counted()
+	}
+	return hooked || delivered, err
 }
 
 // established waits until the subscription delivered (first closes) or was
-// not refused within the initial resubscribe delay; false if ctx ended.
+// not refused within the initial resubscribe delay.
 func (m *Monitor) established(ctx context.Context, first <-chan struct{}) bool {
 	timer := m.cfg.clock.NewTimer(m.cfg.resubInitial)
 	defer timer.Stop() // an idle monitor holds no timer
 	select {
+	case <-first:
+		return true
 	case <-ctx.Done():
 		return false
-	case <-first:
 	case <-timer.C():
+		return ctx.Err() == nil
 	}
-	return ctx.Err() == nil
 }
 
-// resync counts a re-subscription and runs the hook, for an established
-// subscription.
-func (m *Monitor) resync(ctx context.Context) {
+// counted counts an established subscription that follows another.
+func (m *Monitor) counted() {
 	m.mu.Lock()
+	defer m.mu.Unlock()
 	if m.hadStream {
 		m.stats.Resubscribed++
 	}
 	m.hadStream = true
-	m.mu.Unlock()
-	if hook := m.cfg.resync; hook != nil {
-		if err := hook(ctx); err != nil && ctx.Err() == nil {
-			m.cfg.logger.WithError(err).Warn("resync after subscribing failed")
-		}
-	}
 }
 
 // consume reads sub until it breaks or ctx ends, then takes what sub had
 // already delivered, so that nothing delivered is lost: queued while intake
 // is open or Shutdown drains, dropped after Stop. It closes first at the
-// first envelope. It reads nothing once intake ended before it began.
-func (m *Monitor) consume(ctx context.Context, sub *subscription, first chan struct{}) error {
+// first envelope it reads. It reads nothing once intake ended before it
+// began.
+func (m *Monitor) consume(ctx context.Context, sub *subscription, first chan struct{}) (delivered bool, err error) {
 	m.mu.Lock()
 	open := !m.intakeEnded()
 	if open {
@@ -241,48 +246,50 @@ func (m *Monitor) consume(ctx context.Context, sub *subscription, first chan str
 	}
 	m.mu.Unlock()
 	if !open {
-		return nil
+		return false, nil
 	}
 	defer m.setReader(reserved)
-	defer m.drain(ctx, sub.ch)
+	defer func() { delivered = m.drain(ctx, sub.ch) || delivered }()
 	defer context.AfterFunc(ctx, m.wakeWaiters)() // an envelope waiting for room is taken at once
 	for {
 		select {
 		case <-ctx.Done():
-			return nil
+			return delivered, nil
 		case env, ok := <-sub.ch:
 			if !ok {
 				select { // a subscriber may send its error and close both channels at once
 				case err := <-sub.errs:
-					return cmp.Or(err, errStreamClosed)
+					return delivered, cmp.Or(err, errStreamClosed)
 				default:
-					return errStreamClosed
+					return delivered, errStreamClosed
 				}
 			}
-			if first != nil {
+			if !delivered && first != nil {
 				close(first)
-				first = nil
 			}
+			delivered = true
 			m.ingest(ctx, env)
 		case err, ok := <-sub.errs:
 			if !ok || err != nil {
-				return cmp.Or(err, errStreamClosed)
+				return delivered, cmp.Or(err, errStreamClosed)
 			}
 		}
 	}
 }
 
-// drain ingests what ch holds without waiting for more.
-func (m *Monitor) drain(ctx context.Context, ch <-chan *Envelope) {
+// drain ingests what ch holds without waiting for more, reporting whether
+// it held any.
+func (m *Monitor) drain(ctx context.Context, ch <-chan *Envelope) (took bool) {
 	for {
 		select {
 		case env, ok := <-ch:
 			if !ok {
-				return
+				return took
 			}
+			took = true
 			m.ingest(ctx, env)
 		default:
-			return
+			return took
 		}
 	}
 }
