@@ -217,6 +217,9 @@ func (m *Monitor) finish(c *call, err error) (next *call) {
 // endCall removes a settled call. mu is held.
 func (m *Monitor) endCall(c *call) {
 	m.calls = slices.DeleteFunc(m.calls, func(x *call) bool { return x == c })
+	if c.slot == gaveSlot {
+		m.poke() // a call that kept its worker for WithMaxOverruns may give it now
+	}
 	m.changed()
 }
 

@@ -123,15 +123,16 @@ func TestMetricsGetTheTimeARetriedEventTookToRecover(t *testing.T) {
 
 func TestMetricsGetEveryDropsReasonAndCount(t *testing.T) {
 	spy := &spyMetrics{}
-	h := newHarness(t, nil, eventmonitor.WithMetrics(spy), eventmonitor.WithMaxAttempts(1),
+	h := newHarness(t, nil, eventmonitor.WithMetrics(spy), eventmonitor.WithMaxAttempts(2),
 		eventmonitor.WithConverter(keyConverter))
 	sub := newFakeSubscriber(1)
 	runMonitor(t, h.m, sub)
 	st := sub.next(t)
 	st.ch <- &eventmonitor.Envelope{Namespace: "ns", Topic: "/test", Event: &anypb.Any{
 		TypeUrl: "type.googleapis.com/google.protobuf.StringValue", Value: []byte{0x0a, 0x05, 'a'}}} // truncated
-	h.rec.fail(ev{"m", 1}, 1)
-	h.submit(t, ev{"m", 1})      // ErrMaxAttempts
+	h.rec.fail(ev{"m", 1}, 2)
+	h.submit(t, ev{"m", 1})
+	h.step(t, time.Second)       // its retry fails too: ErrMaxAttempts
 	h.m.Backoff("", ev{"", 1})   // ErrInvalidEvent
 	h.m.Backoff("s", ev{"s", 1}) // waits 1 s: ErrStopped, with s/2 and s/3
 	h.submit(t, ev{"s", 2}, ev{"s", 3})

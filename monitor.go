@@ -103,7 +103,7 @@ func MustNew(h Handler, opts ...Option) *Monitor {
 type source uint8
 
 const (
-	fromSubmit source = iota // Submit
+	fromSubmit  source = iota // Submit
 	fromBackoff               // Backoff: straight into its key's backoff
 	fromStream                // an envelope the stream reader took
 	fromExit                  // WatchExit: never refused for WithMaxQueuedPerKey
@@ -150,6 +150,8 @@ func (m *Monitor) accept(name string, it item, from source) error {
 		return fmt.Errorf("%w: nil event for key %q", ErrInvalidEvent, name)
 	case from != fromExit && m.keys.full(name):
 		return fmt.Errorf("%w: key %q holds WithMaxQueuedPerKey(%d) events", ErrQueueFull, name, m.cfg.maxQueuedPerKey)
+	case m.cfg.maxAttempts > 0 && it.attempts >= m.cfg.maxAttempts: // WithMaxAttempts(1) and Backoff
+		return fmt.Errorf("%w (%d)", ErrMaxAttempts, it.attempts)
 	}
 	m.stats.Received++
 	if from == fromBackoff {
