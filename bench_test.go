@@ -2,7 +2,6 @@ package eventmonitor_test
 
 import (
 	"context"
-	"io"
 	"errors"
 	"math/rand/v2"
 	"runtime"
@@ -12,7 +11,6 @@ import (
 	"time"
 
 	"github.com/containerd/typeurl/v2"
-	"github.com/sirupsen/logrus"
 	testclock "k8s.io/utils/clock/testing"
 
 	"github.com/eventmonitor/eventmonitor"
@@ -194,7 +192,7 @@ func BenchmarkBurstDrain(b *testing.B) {
 				close(done)
 			}
 			return nil
-		}), eventmonitor.WithWorkers(4), eventmonitor.WithBackoff(10*time.Millisecond, time.Second), eventmonitor.WithLogger(benchLogger()))
+		}), eventmonitor.WithWorkers(4), eventmonitor.WithBackoff(10*time.Millisecond, time.Second), eventmonitor.WithLogger(quietLogger()))
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -229,7 +227,7 @@ func BenchmarkMemoryPerFailedKey(b *testing.B) {
 	var perKey float64
 	for range b.N {
 		m, err := eventmonitor.New(eventmonitor.HandlerFunc(func(context.Context, any) error { return errors.New("shim not answering") }),
-			eventmonitor.WithClock(testclock.NewFakeClock(time.Now())), eventmonitor.WithLogger(benchLogger()), eventmonitor.WithWorkers(2))
+			eventmonitor.WithClock(testclock.NewFakeClock(time.Now())), eventmonitor.WithLogger(quietLogger()), eventmonitor.WithWorkers(2))
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -249,11 +247,4 @@ func BenchmarkMemoryPerFailedKey(b *testing.B) {
 		m.Stop()
 	}
 	b.ReportMetric(perKey, "bytes/key")
-}
-
-// benchLogger discards every line: the benchmarks' failures are on purpose.
-func benchLogger() *logrus.Entry {
-	l := logrus.New()
-	l.Out = io.Discard
-	return logrus.NewEntry(l)
 }

@@ -7,6 +7,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"sync"
 	"testing"
 	"time"
@@ -273,6 +274,13 @@ func requireBalanced(t *testing.T, s eventmonitor.Stats) {
 	t.Helper()
 	require.Equal(t, s.Received, s.Filtered+s.Ignored+s.Handled+s.Dropped+s.Forgotten+
 		uint64(s.Queued+s.EventsInBackoff+s.InFlight), "Stats identity: %+v", s)
+}
+
+// quietLogger writes nowhere, for tests whose failures are on purpose.
+func quietLogger() *logrus.Entry {
+	l := logrus.New()
+	l.Out = io.Discard
+	return logrus.NewEntry(l)
 }
 
 // waitFor polls cond until it holds, failing t after 10 s.
