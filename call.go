@@ -9,13 +9,14 @@ import (
 	"time"
 
 	"github.com/containerd/log"
+	"k8s.io/utils/clock"
 )
 
 // callState is where a handler call is, as the monitor sees it (under mu).
 type callState uint8
 
 const (
-	inTime    callState = iota // running, its deadline (if any) ahead
+	inTime    callState = iota // taken, its deadline (if any) ahead
 	late                       // past its deadline: its ctx ended
 	overran                    // past its deadline and the grace: logged, its worker maybe replaced
 	settling                   // returned and counted: its outcome is being reported
@@ -31,26 +32,36 @@ const (
 	gaveSlot             // it overran and gave its slot to a new worker
 )
 
-// call is one handler call, and the handler's ctx: a standard cancel
-// context (ended when the call returns, at its deadline or at Stop), whose
-// Deadline is on the monitor's clock and whose values add the key.
+// call is one handler call; mu guards its state and slot.
 type call struct {
+	ctx       handlerContext
+	cancel    context.CancelCauseFunc
+	stopTimer context.CancelFunc // the standard library's deadline, on the real clock
+	key       *key
+	it        item
+	start     time.Time
+	deadline  time.Time // zero: none (WithHandleTimeout(0))
+	behind    int       // a retry's: events queued behind it, for its log line
+	state     callState
+	slot      slot
+}
+
+// handlerContext is a handler's ctx: a standard library context, ended when
+// the call returns, at its deadline or at Stop, whose Deadline is on the
+// monitor's clock and whose values add the key.
+type handlerContext struct {
 	context.Context
-	cancel   context.CancelCauseFunc
-	key      *key
-	it       item
-	start    time.Time
-	deadline time.Time // zero: none (WithHandleTimeout(0))
-	behind   int       // a retry's: events queued behind it, for its log line
-	state    callState // guarded by mu
-	slot     slot      // guarded by mu
+	key      string
+	deadline time.Time
 }
 
 // Deadline is the call's start on the monitor's clock plus the handle timeout.
-func (c *call) Deadline() (time.Time, bool) { return c.deadline, !c.deadline.IsZero() }
+func (c *handlerContext) Deadline() (time.Time, bool) { return c.deadline, !c.deadline.IsZero() }
 
-// Err is DeadlineExceeded once the deadline ended the call.
-func (c *call) Err() error {
+// Err is DeadlineExceeded once the deadline ended the call. On a clock of
+// its own the monitor ends it, with that cause; contexts derived from it
+// then end Canceled, with the cause DeadlineExceeded.
+func (c *handlerContext) Err() error {
 	err := c.Context.Err()
 	if err != nil && context.Cause(c.Context) == context.DeadlineExceeded {
 		return context.DeadlineExceeded
@@ -59,13 +70,13 @@ func (c *call) Err() error {
 }
 
 // Value gives KeyFromContext the key, and log.G(ctx) a logger with it.
-func (c *call) Value(k any) any {
+func (c *handlerContext) Value(k any) any {
 	if k == (keyContext{}) {
-		return c.key.name
+		return c.key
 	}
 	v := c.Context.Value(k)
 	if l, ok := v.(*log.Entry); ok {
-		return l.WithField("key", c.key.name)
+		return l.WithField("key", c.key)
 	}
 	return v
 }
@@ -96,21 +107,27 @@ func (m *Monitor) takeReady() *call {
 func (m *Monitor) startCall(k *key, it item, s slot) *call {
 	c := &call{key: k, it: it, slot: s, start: m.cfg.clock.Now()}
 	if it.attempts > 0 {
-		m.stats.Retried++
 		c.behind = len(k.events)
 	}
-	c.Context, c.cancel = context.WithCancelCause(m.base)
+	var ctx context.Context
+	ctx, c.cancel = context.WithCancelCause(m.base)
 	if d := m.cfg.handleTimeout; d > 0 {
 		c.deadline = c.start.Add(d)
+		if _, real := m.cfg.clock.(clock.RealClock); real {
+			// As the standard library's: contexts derived from it end
+			// DeadlineExceeded too (gRPC's status says so).
+			ctx, c.stopTimer = context.WithDeadline(ctx, c.deadline)
+		}
 		m.wakeBy(c.deadline)
 	}
+	c.ctx = handlerContext{Context: ctx, key: k.name, deadline: c.deadline}
 	m.calls = append(m.calls, c)
-	m.goroutines.Add(1)
+	m.work.Add(1)
 	return c
 }
 
-// work is a worker: it makes call c, then the calls its slot takes on.
-func (m *Monitor) work(c *call) {
+// serve is a worker: it makes call c, then the calls its slot takes on.
+func (m *Monitor) serve(c *call) {
 	for c != nil {
 		c = m.handle(c)
 	}
@@ -128,17 +145,20 @@ func (m *Monitor) handle(c *call) *call {
 		}
 		entry.Info("retrying backed-off events")
 	}
-	m.mu.Lock()
-	withdrawn := c.state == abandoned // by Stop, before the handler began: its event is dropped
+	m.mu.Lock() // after the log line, which may be slow: Stop may withdraw the call meanwhile
+	withdrawn := c.state == abandoned
+	if !withdrawn && c.it.attempts > 0 {
+		m.stats.Retried++
+	}
 	m.mu.Unlock()
 	if withdrawn {
-		return nil
+		return nil // its event was dropped
 	}
 	returned := false
 	defer func() {
 		if !returned {
 			if next := m.finish(c, errHandlerExited); next != nil {
-				go m.work(next)
+				go m.serve(next)
 			}
 		}
 	}()
@@ -156,7 +176,7 @@ func (m *Monitor) invoke(c *call) (err error) {
 				WithError(err).Error("event handler panicked")
 		}
 	}()
-	return m.handler.HandleEvent(c, c.it.event)
+	return m.handler.HandleEvent(&c.ctx, c.it.event)
 }
 
 // outcome is what settle leaves for report, which runs user code (the
@@ -165,68 +185,64 @@ type outcome struct {
 	ignored bool          // the handler returned ErrUnsupportedEvent
 	err     error         // the handler's error, nil if handled or ignored
 	delay   time.Duration // the backoff a failed event now waits
-	drop    error         // why the monitor gave up on the event (wraps ErrStopped or ErrMaxAttempts)
+	drop    error         // the monitor gave up on the event: ErrStopped or ErrMaxAttempts
 	overran bool
 	end     time.Time
 	ran     time.Duration
 }
 
-// finish settles call c, reports its outcome, and returns its slot's next
-// call (nil if none, or if c held no slot).
-func (m *Monitor) finish(c *call, err error) (next *call) {
+// finish settles call c, reports its outcome, and releases it, returning
+// its slot's next call (nil if none, or if c held no slot).
+func (m *Monitor) finish(c *call, err error) *call {
 	out := outcome{ignored: errors.Is(err, ErrUnsupportedEvent)}
 	if !out.ignored {
 		out.err = err
 	}
 	c.cancel(context.Canceled) // what the handler started with ctx stops
+	if c.stopTimer != nil {
+		c.stopTimer()
+	}
 	out.end = m.cfg.clock.Now()
 	out.ran = out.end.Sub(c.start)
 	m.mu.Lock()
+	defer m.mu.Unlock()
 	if c.state == abandoned {
-		m.mu.Unlock()
 		return nil // Stop gave up on it and dropped its event
 	}
 	out.overran = c.state == overran
 	m.settle(c, &out)
-	reported := out.err != nil || out.overran || m.cfg.metrics != nil
-	if reported {
-		c.state = settling // WaitIdle and Stop wait for its report too
-	}
-	if c.slot == ownSlot {
-		if next = m.takeReady(); next == nil {
-			m.busy--
-		}
-	}
-	if !reported {
-		m.endCall(c)
-	}
-	m.mu.Unlock()
-	if reported {
+	if out.err != nil || out.overran || m.cfg.metrics != nil {
+		c.state = settling // WaitIdle and Stop wait for the report too
+		m.mu.Unlock()
 		m.report(c, out)
 		m.mu.Lock()
 		if out.drop != nil { // the drop handler saw the event before its key moves on
 			m.keys.done(c.key)
 		}
-		m.endCall(c)
-		m.mu.Unlock()
 	}
-	m.goroutines.Done()
-	return next
+	return m.release(c)
 }
 
-// endCall removes a settled call. mu is held.
-func (m *Monitor) endCall(c *call) {
+// release removes settled call c and, if it held a worker slot, starts the
+// slot's next call, which it returns. mu is held.
+func (m *Monitor) release(c *call) (next *call) {
 	m.calls = slices.DeleteFunc(m.calls, func(x *call) bool { return x == c })
-	if c.slot == gaveSlot {
+	switch c.slot {
+	case ownSlot:
+		if next = m.takeReady(); next == nil {
+			m.busy--
+		}
+	case gaveSlot:
 		m.poke() // a call that kept its worker for WithMaxOverruns may give it now
 	}
 	m.changed()
+	m.work.Done()
+	return next
 }
 
 // settle records a returned call's outcome and moves its key on: handled,
 // ignored, or back at its key's head to wait. The key of an event given up
-// on waits until finish has reported the drop, so that the drop handler
-// sees the event before the key's next one. mu is held.
+// on waits until finish has reported the drop. mu is held.
 func (m *Monitor) settle(c *call, out *outcome) {
 	switch {
 	case out.err == nil && out.ignored:
@@ -242,9 +258,9 @@ func (m *Monitor) settle(c *call, out *outcome) {
 		c.it.lastErr = out.err
 		switch {
 		case m.state != running:
-			out.drop = fmt.Errorf("%w: failed while the monitor stops: %w", ErrStopped, out.err)
+			out.drop = ErrStopped
 		case m.cfg.maxAttempts > 0 && c.it.attempts >= m.cfg.maxAttempts:
-			out.drop = fmt.Errorf("%w (%d): %w", ErrMaxAttempts, c.it.attempts, out.err)
+			out.drop = ErrMaxAttempts
 		default:
 			out.delay = m.keys.failed(c.key, c.it, out.end)
 			return
@@ -260,7 +276,7 @@ func (m *Monitor) settle(c *call, out *outcome) {
 func (m *Monitor) report(c *call, out outcome) {
 	if mt := m.cfg.metrics; mt != nil {
 		mt.HandlerDone(out.ran, out.err)
-		if out.err == nil && c.it.attempts > 0 {
+		if out.err == nil && !out.ignored && c.it.attempts > 0 {
 			mt.Recovered(out.end.Sub(c.it.firstFailure))
 		}
 	}
@@ -270,7 +286,11 @@ func (m *Monitor) report(c *call, out outcome) {
 	switch {
 	case out.drop != nil:
 		m.itemLog(c.key.name, c.it).WithError(out.err).Warn("giving up on event")
-		m.emit(dropsOf(c.key.name, out.drop, c.it)...)
+		reason := fmt.Errorf("%w (%d): %w", ErrMaxAttempts, c.it.attempts, out.err)
+		if out.drop == ErrStopped {
+			reason = fmt.Errorf("%w: failed while the monitor stops: %w", ErrStopped, out.err)
+		}
+		m.emit(dropsOf(c.key.name, reason, c.it)...)
 	case out.err != nil:
 		m.itemLog(c.key.name, c.it).WithError(out.err).WithField("delay", out.delay).Error("event handling failed; backing off")
 	}

@@ -51,12 +51,26 @@ func dropsOf(key string, reason error, items ...item) []Drop {
 }
 
 // refuse counts an item refused with no caller to tell (an envelope,
-// Backoff, an exit) as received and dropped, and returns its Drop. mu is
-// held.
+// Backoff, an exit) as received and dropped, and returns its Drop for
+// handOver. mu is held.
 func (m *Monitor) refuse(key string, it item, reason error) []Drop {
 	m.stats.Received++
 	m.stats.Dropped++
+	m.handing++
 	return dropsOf(key, reason, it)
+}
+
+// handOver hands refuse's drops to the drop handler, without mu, then lets
+// WaitIdle see them handed over.
+func (m *Monitor) handOver(drops []Drop) {
+	if len(drops) == 0 {
+		return
+	}
+	m.emit(drops...)
+	m.mu.Lock()
+	m.handing--
+	m.cond.Broadcast()
+	m.mu.Unlock()
 }
 
 // emit hands drops to the metrics and the drop handler, without mu.

@@ -33,7 +33,7 @@ func WatchExit[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh
 		close(done)
 		return done
 	}
-	m.goroutines.Add(1)
+	m.work.Add(1)
 	m.mu.Unlock()
 	go func() {
 		defer close(done)
@@ -49,7 +49,7 @@ func WatchExit[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh
 // waiting as Stop begins is taken, so that it is dropped rather than lost.
 func awaitExit[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh <-chan S,
 	build func(uint32, time.Time) any) *call {
-	defer m.goroutines.Done() // before the call, which counts itself
+	defer m.work.Done() // before the call, which counts itself
 	var s S
 	var received bool
 	if ctx.Err() != nil {
@@ -65,6 +65,9 @@ func awaitExit[S ExitStatus](ctx context.Context, m *Monitor, key string, exitCh
 		default:
 			return nil
 		}
+	}
+	if !received && ctx.Err() != nil {
+		return nil // closed empty as the watch was cancelled (WaitExit's does): no exit
 	}
 	var status ExitStatus
 	if received {
@@ -102,7 +105,7 @@ func (m *Monitor) queueExit(key string, s ExitStatus, build func(uint32, time.Ti
 	}
 	m.changed()
 	m.mu.Unlock()
-	m.emit(drops...)
+	m.handOver(drops)
 	return c
 }
 

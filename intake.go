@@ -50,7 +50,7 @@ func (m *Monitor) ingest(ctx context.Context, env *Envelope) {
 		m.cfg.logger.WithFields(log.Fields{"topic": env.Topic, "namespace": env.Namespace, "type": env.Event.GetTypeUrl()}).
 			WithError(err).Debug("ignoring events of a type the converter has no key for; logged once per type")
 	}
-	m.emit(drops...)
+	m.handOver(drops)
 }
 
 // convert filters env by namespace and runs the converter. An error that

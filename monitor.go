@@ -25,18 +25,21 @@ type Monitor struct {
 	keys       *keySet
 	calls      []*call // in progress, in start order
 	busy       int     // worker slots in use
+	handing    int     // refused events whose drop is being handed over
 	stats      Stats   // the counters; Stats derives the gauges
 	sched      scheduler
 	reader     reader
 	subscribed *subscription // by Subscribe, for Start
 	hadStream  bool          // a stream was read: Run's next subscription is a re-subscription
 
-	intake     context.Context // ends when Shutdown or Stop is called
-	endIntake  context.CancelFunc
-	stopping   chan struct{}  // closed when Stop begins
-	lifetime   chan error     // a bare Start's channel, closed when Stop is done
-	goroutines sync.WaitGroup // the scheduler, stream readers, exit watchers and calls (but abandoned ones)
-	stopOnce   sync.Once
+	intake    context.Context // ends when Shutdown or Stop is called
+	endIntake context.CancelFunc
+	stopping  chan struct{} // closed as Stop begins, for exit watchers
+	lifetime  chan error    // a bare Start's channel, closed when Stop is done
+	// work is what Stop waits for: the scheduler, stream readers, exit
+	// watchers while they wait, and calls until released, or abandoned.
+	work     sync.WaitGroup
+	stopOnce sync.Once
 
 	ignoredTypes, filteredNamespaces logOnce[string]
 }
@@ -136,7 +139,7 @@ func (m *Monitor) Backoff(key string, event any) {
 	}
 	m.changed()
 	m.mu.Unlock()
-	m.emit(drops...)
+	m.handOver(drops)
 }
 
 // accept validates an event and queues it. mu is held.
@@ -211,7 +214,7 @@ func (m *Monitor) changed() {
 			break
 		}
 		m.busy++
-		go m.work(c)
+		go m.serve(c)
 	}
 	m.retime()
 	m.cond.Broadcast()

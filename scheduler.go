@@ -62,7 +62,7 @@ func (m *Monitor) poke() {
 		return
 	case notStarted:
 		s.state, s.wake = looping, make(chan struct{}, 1)
-		m.goroutines.Add(1)
+		m.work.Add(1)
 		go m.schedule()
 	}
 	s.poked = true
@@ -75,7 +75,7 @@ func (m *Monitor) poke() {
 // schedule is the scheduler's loop: a pass each time its timer fires or it
 // is poked, until Stop has left nothing to time.
 func (m *Monitor) schedule() {
-	defer m.goroutines.Done()
+	defer m.work.Done()
 	var timer clock.Timer
 	for {
 		m.mu.Lock()
@@ -166,7 +166,9 @@ func (m *Monitor) expire(now time.Time) (lines []overrun) {
 	for _, c := range m.calls {
 		if c.state == inTime && !c.deadline.IsZero() && !now.Before(c.deadline) {
 			c.state = late
-			c.cancel(context.DeadlineExceeded)
+			if c.stopTimer == nil { // on the real clock the standard library's timer ends it
+				c.cancel(context.DeadlineExceeded)
+			}
 		}
 		if c.state == late && !now.Before(m.overrunAt(c)) {
 			c.state = overran

@@ -60,7 +60,7 @@ func (m *Monitor) abandon(all bool) (drops []Drop) {
 		if c.slot == ownSlot {
 			m.busy--
 		}
-		m.goroutines.Done()
+		m.work.Done()
 	}
 	if drops != nil {
 		m.calls = slices.DeleteFunc(m.calls, func(c *call) bool { return c.state == abandoned })
@@ -89,7 +89,7 @@ func (m *Monitor) finishStop() {
 	}
 	m.changed()
 	m.mu.Unlock()
-	m.goroutines.Wait() // first: a call's report hands over an earlier event of its key
+	m.work.Wait() // first: a call's report hands over an earlier event of its key
 	m.emit(drops...)
 	close(m.lifetime)
 }

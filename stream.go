@@ -80,23 +80,26 @@ func (m *Monitor) Start() <-chan error {
 		m.mu.Unlock()
 		return m.lifetime
 	}
-	err := m.beginReading()
+	err := m.beginReading(consuming)
 	if err == nil {
 		m.hadStream = true
 	}
 	m.mu.Unlock()
 	errCh := make(chan error, 1)
 	if err != nil {
+		if errors.Is(err, ErrStopped) {
+			m.drain(m.intake, sub.ch) // delivered before Stop: dropped, not lost
+		}
 		sub.cancel()
 		errCh <- err
 		close(errCh)
 		return errCh
 	}
 	go func() {
+		defer m.endReading() // last: Stop returns once errCh is closed
 		defer close(errCh)
 		_, err := m.consume(m.intake, sub, nil)
 		sub.cancel()
-		m.endReading()
 		if err != nil && !m.intakeEnded() {
 			m.cfg.logger.WithError(err).Error("event stream failed")
 			errCh <- err
@@ -105,9 +108,9 @@ func (m *Monitor) Start() <-chan error {
 	return errCh
 }
 
-// beginReading takes the one stream reader's place, for a Run or Start.
-// mu is held.
-func (m *Monitor) beginReading() error {
+// beginReading takes the one stream reader's place, for a Run (reserved)
+// or a Start (consuming). mu is held.
+func (m *Monitor) beginReading(r reader) error {
 	switch {
 	case m.intakeEnded():
 		return ErrStopped
@@ -116,19 +119,16 @@ func (m *Monitor) beginReading() error {
 	case m.reader != noReader:
 		return ErrAlreadyRunning
 	}
-	m.reader = reserved
-	m.goroutines.Add(1)
+	m.reader = r
+	m.work.Add(1)
 	m.releaseHold()
 	return nil
 }
 
 // endReading frees the reader's place.
 func (m *Monitor) endReading() {
-	m.mu.Lock()
-	m.reader = noReader
-	m.changed()
-	m.mu.Unlock()
-	m.goroutines.Done()
+	m.setReader(noReader)
+	m.work.Done()
 }
 
 // Run subscribes to s and handles its events until ctx ends. When the
@@ -138,7 +138,7 @@ func (m *Monitor) endReading() {
 // returning does not stop the monitor.
 func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) error {
 	m.mu.Lock()
-	err := m.beginReading()
+	err := m.beginReading(reserved)
 	m.mu.Unlock()
 	if err != nil {
 		return err
@@ -181,6 +181,16 @@ func (m *Monitor) Run(ctx context.Context, s Subscriber, filters ...string) erro
 // initial resubscribe delay; then the resync hook runs beside the reading,
 // and runOnce waits for it.
 func (m *Monitor) runOnce(ctx context.Context, s Subscriber, filters []string) (established bool, err error) {
+	m.mu.Lock()
+	open := !m.intakeEnded()
+	if open {
+		m.reader = consuming // from the subscription on: Shutdown waits for what it delivers
+	}
+	m.mu.Unlock()
+	if !open {
+		return false, nil
+	}
+	defer m.setReader(reserved)
 	ctx, cancel := context.WithCancel(ctx)
 	var hook sync.WaitGroup
 	defer func() { cancel(); hook.Wait() }()
@@ -236,19 +246,8 @@ func (m *Monitor) counted() {
 // consume reads sub until it breaks or ctx ends, then takes what sub had
 // already delivered, so that nothing delivered is lost: queued while intake
 // is open or Shutdown drains, dropped after Stop. It closes first at the
-// first envelope it reads. It reads nothing once intake ended before it
-// began.
+// first envelope it reads.
 func (m *Monitor) consume(ctx context.Context, sub *subscription, first chan struct{}) (delivered bool, err error) {
-	m.mu.Lock()
-	open := !m.intakeEnded()
-	if open {
-		m.reader = consuming
-	}
-	m.mu.Unlock()
-	if !open {
-		return false, nil
-	}
-	defer m.setReader(reserved)
 	defer func() { delivered = m.drain(ctx, sub.ch) || delivered }()
 	defer context.AfterFunc(ctx, m.wakeWaiters)() // an envelope waiting for room is taken at once
 	for {
@@ -277,10 +276,11 @@ func (m *Monitor) consume(ctx context.Context, sub *subscription, first chan str
 	}
 }
 
-// drain ingests what ch holds without waiting for more, reporting whether
-// it held any.
+// drain ingests what ch holds, without waiting for more nor taking what a
+// subscriber that ignores its ctx goes on sending, reporting whether it
+// held any.
 func (m *Monitor) drain(ctx context.Context, ch <-chan *Envelope) (took bool) {
-	for {
+	for n := len(ch); n > 0; n-- {
 		select {
 		case env, ok := <-ch:
 			if !ok {
@@ -292,6 +292,7 @@ func (m *Monitor) drain(ctx context.Context, ch <-chan *Envelope) (took bool) {
 			return took
 		}
 	}
+	return took
 }
 
 func (m *Monitor) setReader(r reader) {
