@@ -35,11 +35,14 @@ type Container struct {
 
 // Task is a container's task (its init process).
 type Task struct {
-	Pid        uint32
-	Status     TaskStatus
-	ExitStatus uint32    // once Stopped
-	ExitedAt   time.Time // once Stopped
+	Pid    uint32
+	Status TaskStatus
+	// ExitStatus and ExitedAt, once Stopped, are the daemon's record, or
+	// eventmonitor.UnknownExitCode and a zero time when the daemon lost it.
+	ExitStatus uint32
+	ExitedAt   time.Time
 	OOMKilled  bool      // the kernel's OOM killer hit it (from the stream's TaskOOM)
+	born       time.Time // when the informer first heard of it, for a TaskOOM's lifetime
 }
 
 // TaskStatus is a task's status as containerd reports it.
@@ -130,7 +133,7 @@ func (k *containerKind) settled(id string, c *Container) {
 	go func() {
 		defer k.waiting.Done()
 		if s, ok := <-WaitExit(ctx, k.conn, k.namespace, id, ""); ok && s.Error() == nil {
-			_ = submit(id, waited{pid: pid, status: s}) // refused: the informer stops
+			_ = submit(id, stamped{event: waited{pid: pid, status: s}, at: s.ExitTime()}) // refused: the informer stops
 		}
 	}()
 }
@@ -250,7 +253,14 @@ func statusOf(s task.Status) TaskStatus {
 // apply moves a container through an event. A task's status only moves
 // forward within its lifetime (created, running or paused, stopped), so a
 // late or repeated event cannot undo an exit.
-func (k *containerKind) apply(ctx context.Context, id string, cur *Container, event any) ([]*Container, bool, error) {
+// additive: a TaskOOM only marks the task it follows, which no listing
+// says, and may come a moment after the task's exit.
+func (k *containerKind) additive(event any) bool {
+	_, oom := event.(*events.TaskOOM)
+	return oom
+}
+
+func (k *containerKind) apply(ctx context.Context, id string, cur *Container, event any, at time.Time) ([]*Container, bool, error) {
 	if cur == nil {
 		switch e := event.(type) {
 		case *events.ContainerCreate:
@@ -266,18 +276,18 @@ func (k *containerKind) apply(ctx context.Context, id string, cur *Container, ev
 		next.Image, next.Labels = e.Image, e.Labels
 		return []*Container{&next}, false, nil
 	case *events.ContainerDelete:
-		return append(k.endTask(id, cur, false), nil), false, nil
+		return append(k.endTask(id, cur), nil), false, nil
 	case *events.TaskCreate:
-		return k.started(id, cur, e.Pid, TaskCreated), false, nil
+		return k.started(id, cur, e.Pid, TaskCreated, at), false, nil
 	case *events.TaskStart:
-		return k.started(id, cur, e.Pid, TaskRunning), false, nil
+		return k.started(id, cur, e.Pid, TaskRunning, at), false, nil
 	case *events.TaskPaused:
 		return k.moved(cur, TaskPaused), false, nil
 	case *events.TaskResumed:
 		return k.moved(cur, TaskRunning), false, nil
 	case *events.TaskOOM:
-		if cur.Task == nil || cur.Task.OOMKilled {
-			return nil, false, nil
+		if cur.Task == nil || cur.Task.OOMKilled || at.Before(cur.Task.born) {
+			return nil, false, nil // no task, or one that began after it
 		}
 		t := *cur.Task
 		t.OOMKilled = true
@@ -301,7 +311,7 @@ func (k *containerKind) apply(ctx context.Context, id string, cur *Container, ev
 		if cur.Task.Status != TaskStopped { // its exit never came: the daemon's record says it here
 			k.setPending(id, pendingExit{pid: cur.Task.Pid, status: e.ExitStatus, at: e.ExitedAt.AsTime()})
 		}
-		return k.endTask(id, cur, true), false, nil
+		return k.endTask(id, cur), false, nil
 	}
 	return nil, false, nil
 }
@@ -328,14 +338,14 @@ func (k *containerKind) created(ctx context.Context, e *events.ContainerCreate) 
 	return []*Container{c}, false, nil
 }
 
-// started gives cur a task of pid in status s, ending a lifetime the
-// stream did not end first.
-func (k *containerKind) started(id string, cur *Container, pid uint32, s TaskStatus) []*Container {
+// started gives cur a task of pid in status s, begun at born, ending a
+// lifetime the stream did not end first.
+func (k *containerKind) started(id string, cur *Container, pid uint32, s TaskStatus, born time.Time) []*Container {
 	if cur.Task != nil && cur.Task.Pid == pid {
 		return k.moved(cur, s)
 	}
-	states := k.endTask(id, cur, true)
-	return append(states, withTask(last(cur, states), &Task{Pid: pid, Status: s}))
+	states := k.endTask(id, cur)
+	return append(states, withTask(last(cur, states), &Task{Pid: pid, Status: s, born: born}))
 }
 
 // moved moves cur's task to s, if that is forward.
@@ -380,9 +390,9 @@ func (k *containerKind) setPending(id string, p pendingExit) {
 }
 
 // endTask ends cur's task lifetime: stopped, if it was not, with the exit a
-// pending record holds or UnknownExitCode; then, if remove, deleted, its
-// final state kept as LastExit.
-func (k *containerKind) endTask(id string, cur *Container, remove bool) []*Container {
+// pending record holds or UnknownExitCode; then deleted, its final state
+// kept as LastExit.
+func (k *containerKind) endTask(id string, cur *Container) []*Container {
 	k.mu.Lock()
 	p, ok := k.pending[id]
 	delete(k.pending, id)
@@ -399,12 +409,9 @@ func (k *containerKind) endTask(id string, cur *Container, remove bool) []*Conta
 		}
 		states = append(states, withTask(cur, &t))
 	}
-	if remove {
-		gone := withTask(cur, nil)
-		gone.LastExit = &t
-		states = append(states, gone)
-	}
-	return states
+	gone := withTask(last(cur, states), nil)
+	gone.LastExit = &t
+	return append(states, gone)
 }
 
 // reconcile moves cur to what a listing showed: the daemon's record is the
@@ -415,7 +422,7 @@ func (k *containerKind) reconcile(id string, cur, listed *Container) []*Containe
 	case listed == nil && cur == nil:
 		return nil
 	case listed == nil:
-		return append(k.endTask(id, cur, false), nil)
+		return append(k.endTask(id, cur), nil)
 	case cur == nil:
 		return []*Container{listed}
 	}
@@ -426,9 +433,9 @@ func (k *containerKind) reconcile(id string, cur, listed *Container) []*Containe
 	case ct == nil || lt == nil && ct == nil:
 		return []*Container{withTask(&base, lt)}
 	case lt == nil:
-		return k.endTask(id, &base, true)
+		return k.endTask(id, &base)
 	case lt.Pid != ct.Pid:
-		states := k.endTask(id, &base, true)
+		states := k.endTask(id, &base)
 		return append(states, withTask(last(&base, states), lt))
 	}
 	t := *lt
@@ -472,4 +479,17 @@ func last(c *Container, states []*Container) *Container {
 		return c
 	}
 	return states[len(states)-1]
+}
+
+// Exited returns the task whose stop c is, if it is one: each task lifetime
+// has exactly one such change.
+func Exited(c Change[Container]) (*Task, bool) {
+	n := c.New
+	if n == nil || n.Task == nil || n.Task.Status != TaskStopped {
+		return nil, false
+	}
+	if o := c.Old; o != nil && o.Task != nil && o.Task.Status == TaskStopped && o.Task.Pid == n.Task.Pid {
+		return nil, false // a correction of a status already stopped
+	}
+	return n.Task, true
 }

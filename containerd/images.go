@@ -85,7 +85,9 @@ func imageOf(im *imagesapi.Image) *Image {
 
 // apply reads the image a create or update names, as its target is only in
 // the daemon's record; one deleted meanwhile keeps what the event said.
-func (k *imageKind) apply(ctx context.Context, name string, cur *Image, event any) ([]*Image, bool, error) {
+func (k *imageKind) additive(any) bool { return false }
+
+func (k *imageKind) apply(ctx context.Context, name string, cur *Image, event any, _ time.Time) ([]*Image, bool, error) {
 	var labels map[string]string
 	switch e := event.(type) {
 	case *events.ImageDelete:

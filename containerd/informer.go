@@ -54,11 +54,12 @@ type cached[T any] struct {
 // InformerStats are an informer's counters; Monitor().Stats() has its
 // deliveries'.
 type InformerStats struct {
-	Objects     int           // cached now
-	Relists     uint64        // full listings applied to the cache
-	Refreshes   uint64        // single objects read again (Resync, or after news newer than a listing)
-	Corrections uint64        // changes that only a listing or a read found: the stream had missed them
-	LastRelist  time.Duration // from the last relist's start until its listing was applied
+	Objects      int           // cached now
+	Resubscribed uint64        // subscriptions established after an outage: one per outage
+	Relists      uint64        // full listings applied to the cache
+	Refreshes    uint64        // single objects read again (Resync, or after news newer than a listing)
+	Corrections  uint64        // changes that only a listing or a read found: the stream had missed them
+	LastRelist   time.Duration // from the last relist's start until its listing was applied
 }
 
 // readTimeout bounds the reads that applying one event or refresh makes,
@@ -76,10 +77,13 @@ type kind[T any] interface {
 	// list returns the daemon's objects; read one, nil if there is none.
 	list(ctx context.Context) (map[string]*T, error)
 	read(ctx context.Context, id string) (*T, error)
-	// apply returns the states an event moves cur (nil: unknown) through,
-	// nil for gone; none if it changes nothing. refresh: cur is unknown
-	// and must be read.
-	apply(ctx context.Context, id string, cur *T, event any) (states []*T, refresh bool, err error)
+	// apply returns the states an event of time at moves cur (nil:
+	// unknown) through, nil for gone; none if it changes nothing.
+	// refresh: cur is unknown and must be read.
+	apply(ctx context.Context, id string, cur *T, event any, at time.Time) (states []*T, refresh bool, err error)
+	// additive reports whether an event only adds what nothing else says
+	// (a task's OOM): it applies even when older news came first.
+	additive(event any) bool
 	// reconcile returns the states a listing (listed nil: not listed)
 	// moves cur through.
 	reconcile(id string, cur, listed *T) []*T
@@ -287,6 +291,7 @@ func (inf *Informer[T]) Stats() InformerStats {
 	defer inf.mu.RUnlock()
 	s := inf.stats
 	s.Objects = len(inf.objects)
+	s.Resubscribed = inf.intake.Stats().Resubscribed
 	return s
 }
 
@@ -405,15 +410,18 @@ func (inf *Informer[T]) apply(ctx context.Context, input any) error {
 		event, at = in.event, in.at
 	}
 	cur, version := inf.lookup(id)
-	if at.Before(version) {
+	if at.Before(version) && !inf.kind.additive(event) {
 		return nil // a listing or an event newer than this one was applied
 	}
-	states, again, err := inf.kind.apply(ctx, id, cur, event)
+	states, again, err := inf.kind.apply(ctx, id, cur, event, at)
 	if err != nil {
 		return err
 	}
 	if again {
 		inf.Resync(id)
+	}
+	if version.After(at) { // an additive event older than the newest news
+		at = version
 	}
 	inf.commit(id, states, at, false)
 	return nil
