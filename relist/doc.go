@@ -5,10 +5,11 @@
 //
 // Streams miss events (a runtime restarts, a subscription breaks, a shim
 // dies without an exit event); a relist finds the difference. Unlike
-// kubelet's GenericPLEG it loses nothing: a pod whose inspection or event
-// sink fails keeps its old record, so its events come again next relist, and
-// it is inspected again. Inspections of different pods run in parallel.
+// kubelet's GenericPLEG it loses nothing: a pod whose inspection fails keeps
+// its old record, and an event the sink refuses comes again next relist,
+// with the pod's later ones (never one the sink took). Inspections of
+// different pods run in parallel.
 //
 // Feed a Monitor with ToMonitor, and pass Relist to the monitor's WithResync
-// hook to relist at once whenever the event stream had to be re-subscribed.
+// hook to relist on every subscription: at start, and after every outage.
 package relist

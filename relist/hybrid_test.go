@@ -63,7 +63,7 @@ func TestRelistRecoversALostStreamEvent(t *testing.T) {
 	// other waiters (the monitor's scheduler), so HasWaiters cannot tell
 	// when Run waits.
 	require.Eventually(t, func() bool {
-		clk.Step(100*time.Millisecond)
+		clk.Step(100 * time.Millisecond)
 		select {
 		case <-subs:
 			return true
@@ -75,7 +75,7 @@ func TestRelistRecoversALostStreamEvent(t *testing.T) {
 	// The resync runs once the new subscription is established: unrefused
 	// for the initial resubscribe delay, on the same clock.
 	require.Eventually(t, func() bool {
-		clk.Step(100*time.Millisecond)
+		clk.Step(100 * time.Millisecond)
 		mu.Lock()
 		defer mu.Unlock()
 		return len(handled) == 2

@@ -165,7 +165,7 @@ func New(list ListFunc, sink func(ctx context.Context, e Event) error, opts ...O
 // ToMonitor returns a sink that submits each event to m keyed by pod ID, so
 // relist events are ordered and backed off like stream events. A refused
 // event (the monitor is stopped or the pod's queue is full) fails the sink,
-// so the pod keeps its record and the event comes again next relist.
+// so the event, and the pod's later ones, come again next relist.
 func ToMonitor(m *eventmonitor.Monitor) func(ctx context.Context, e Event) error {
 	return func(ctx context.Context, e Event) error { return m.Submit(e.PodID, e) }
 }
