@@ -279,7 +279,7 @@ func FuzzKeySet(f *testing.F) {
 		now, next := t0, 0
 		calls := map[*key]item{}
 		ended := map[int]bool{}
-		for i := 0; i+1 < len(ops) && i < 1024; i += 2 {
+		for i := 0; i+1 < len(ops) && i < 512; i += 2 {
 			name := string(rune('a' + ops[i+1]%4))
 			switch ops[i] % 8 {
 			case 0:
@@ -318,49 +318,58 @@ func FuzzKeySet(f *testing.F) {
 			held := 0
 			for _, k := range s.byName {
 				for _, it := range k.events {
-					require.False(t, ended[it.event.(int)], "event %v queued after it ended", it.event)
+					if ended[it.event.(int)] {
+						t.Fatalf("event %v queued after it ended", it.event)
+					}
 				}
 				held += len(k.events)
 			}
-			require.Equal(t, next, held+len(calls)+len(ended), "an event was lost or duplicated")
+			if next != held+len(calls)+len(ended) {
+				t.Fatalf("%d events pushed, %d held, in calls or ended: lost or duplicated", next, held+len(calls)+len(ended))
+			}
 		}
 	})
 }
 
 // requireConsistent checks keySet's counts, run queue and heap against its
 // keys.
-func requireConsistent(t *testing.T, s *keySet) {
+func requireConsistent(t testing.TB, s *keySet) {
 	t.Helper()
 	queued, inHeap, readyKeys := 0, 0, 0
 	for name, k := range s.byName {
-		require.Equal(t, name, k.name)
+		switch {
+		case name != k.name:
+			t.Fatalf("key %q filed as %q", k.name, name)
+		case k.state == keyWaiting && (k.index < 0 || k.index >= len(s.due) || s.due[k.index] != k):
+			t.Fatalf("waiting key %q not in the heap at its index %d", name, k.index)
+		case k.state != keyRunning && len(k.events) == 0:
+			t.Fatalf("key %q (%v) holds no event", name, k.state)
+		}
 		queued += len(k.events)
-		switch k.state {
-		case keyWaiting:
+		if k.state == keyWaiting {
 			inHeap += len(k.events)
-			require.Same(t, k, s.due[k.index], "a waiting key is in the heap at its index")
-			require.NotEmpty(t, k.events, "a waiting key holds its failed event")
-		case keyReady:
+		}
+		if k.state == keyReady {
 			readyKeys++
-			require.NotEmpty(t, k.events, "a ready key has an event to take")
 		}
 	}
-	require.Equal(t, queued, s.queued, "queued")
-	require.Equal(t, inHeap, s.inHeap, "inHeap")
-	var inRun []*key
-	for k := s.run.head; k != nil; k = k.next {
-		require.Equal(t, keyReady, k.state)
-		inRun = append(inRun, k)
+	if queued != s.queued || inHeap != s.inHeap {
+		t.Fatalf("counts: queued %d (counted %d), in the heap %d (counted %d)", queued, s.queued, inHeap, s.inHeap)
 	}
-	require.Len(t, inRun, readyKeys, "every ready key once in the run queue")
-	if len(inRun) > 0 {
-		require.Same(t, inRun[len(inRun)-1], s.run.tail)
+	inRun := 0
+	var last *key
+	for k := s.run.head; k != nil; k = k.next {
+		if k.state != keyReady || inRun > len(s.byName) {
+			t.Fatalf("run queue holds %q (%v), or loops", k.name, k.state)
+		}
+		inRun, last = inRun+1, k
+	}
+	if inRun != readyKeys || last != s.run.tail {
+		t.Fatalf("run queue holds %d keys of %d ready, or its tail is wrong", inRun, readyKeys)
 	}
 	for i, k := range s.due {
-		require.Equal(t, i, k.index)
-		require.Equal(t, keyWaiting, k.state)
-		if i > 0 {
-			require.False(t, k.due.Before(s.due[(i-1)/2].due), "heap order")
+		if k.index != i || k.state != keyWaiting || i > 0 && k.due.Before(s.due[(i-1)/2].due) {
+			t.Fatalf("heap: %q at %d (index %d, %v) breaks the order", k.name, i, k.index, k.state)
 		}
 	}
 }

@@ -15,6 +15,7 @@ import (
 	"github.com/containerd/containerd/api/events"
 	"github.com/containerd/log"
 	prometheusclient "github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc"
 
 	"github.com/eventmonitor/eventmonitor"
 	"github.com/eventmonitor/eventmonitor/containerd"
@@ -71,5 +72,26 @@ func tour(ctx context.Context, address string) error {
 	if err != nil {
 		return err
 	}
+	go watchContainers(ctx, conn)
 	return m.Run(ctx, containerd.NewSubscriber(conn), filters...) // re-subscribes on stream errors
+}
+
+// watchContainers is the README's informer: a cached view of the
+// namespace's containers, with a change per object.
+func watchContainers(ctx context.Context, conn *grpc.ClientConn) {
+	inf, err := containerd.NewContainerInformer(conn, containerd.K8sNamespace,
+		func(ctx context.Context, ch containerd.Change[containerd.Container]) error {
+			if task, exited := containerd.Exited(ch); exited {
+				log.G(ctx).WithField("status", task.ExitStatus).Info("task exited")
+			}
+			return nil
+		})
+	if err != nil {
+		log.L.WithError(err).Error("informer")
+		return
+	}
+	go inf.Run(ctx)
+	if err := inf.WaitForSync(ctx); err == nil {
+		log.L.WithField("containers", len(inf.List())).Info("synced")
+	}
 }
