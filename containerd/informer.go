@@ -160,8 +160,9 @@ func newInformer[T any](conn grpc.ClientConnInterface, namespace string, k kind[
 		eventmonitor.WithNamespace(namespace),
 		eventmonitor.WithConverter(stampedConverter{eventmonitor.NewConverter(k.keys()...)}),
 		eventmonitor.WithWorkers(4),
-		eventmonitor.WithBackoff(100*time.Millisecond, time.Second), // a read failed: the daemon is back soon
-		eventmonitor.WithHandleTimeout(0),                           // apply bounds its reads by the real time
+		eventmonitor.WithBackoff(100*time.Millisecond, time.Second),              // a read failed: the daemon is back soon
+		eventmonitor.WithHandleTimeout(0),                                        // apply bounds its reads by the real time
+		eventmonitor.WithResubscribe(100*time.Millisecond, 500*time.Millisecond), // up to date within a second of the daemon's return
 		eventmonitor.WithClock(cfg.clock), eventmonitor.WithLogger(logger),
 		eventmonitor.WithResync(inf.relist),
 		eventmonitor.WithDropHandler(func(d eventmonitor.Drop) {
