@@ -125,7 +125,11 @@ func (s *keySet) push(name string, it item) *key {
 		s.byName[name] = k
 		s.run.push(k)
 	}
-	s.add(k, it)
+	k.events = append(k.events, it)
+	s.queued++
+	if k.state == keyWaiting {
+		s.inHeap++
+	}
 	return k
 }
 
@@ -141,14 +145,6 @@ func (s *keySet) pushBackoff(name string, it item, now time.Time) {
 		s.wait(k, due)
 	case k.state == keyRunning && k.due.IsZero():
 		k.due = due
-	}
-}
-
-func (s *keySet) add(k *key, it item) {
-	k.events = append(k.events, it)
-	s.queued++
-	if k.state == keyWaiting {
-		s.inHeap++
 	}
 }
 
@@ -194,7 +190,6 @@ func (s *keySet) done(k *key) {
 	case !k.due.IsZero():
 		s.wait(k, k.due)
 	case len(k.events) > 0:
-		k.state = keyReady
 		s.run.push(k)
 	default:
 		delete(s.byName, k.name)

@@ -29,10 +29,10 @@
 //
 // A handler's error, panic or runtime.Goexit (t.FailNow in a test) fails
 // its event, which backs off; a panic is logged with its stack. A panic in
-// the converter or the exit builder drops its input with ErrInvalidEvent,
-// and one in an ExitStatus's Result reads as UnknownExitCode. Other
-// callbacks (the drop handler, Metrics, the resync hook, log hooks, the
-// Subscriber) are not guarded: their panic is the caller's, as in net/http.
+// the converter or the exit builder drops its input with ErrInvalidEvent.
+// Other callbacks (the drop handler, Metrics, the resync hook, log hooks, an
+// ExitStatus, the Subscriber) are not guarded: their panic is the
+// caller's, as in net/http.
 //
 // Stop waits for the calls in progress, abandoning (and dropping the event
 // of) one that overruns its handle timeout and grace, so it returns within

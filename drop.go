@@ -18,12 +18,12 @@ type Drop struct {
 
 // String says what was dropped, from where and why, as a log line.
 func (d Drop) String() string {
-	s := "dropped an input that did not become an event"
-	switch n := len(d.Events); {
-	case n == 1:
+	s := fmt.Sprintf("dropped %d events", len(d.Events))
+	switch len(d.Events) {
+	case 0:
+		s = "dropped an input that did not become an event"
+	case 1:
 		s = "dropped 1 event"
-	case n > 1:
-		s = fmt.Sprintf("dropped %d events", n)
 	}
 	if d.Key != "" {
 		s += fmt.Sprintf(" of key %q", d.Key)

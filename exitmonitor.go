@@ -2,6 +2,7 @@ package eventmonitor
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 )
@@ -110,19 +111,11 @@ func (m *Monitor) queueExit(key string, s ExitStatus, build func(uint32, time.Ti
 }
 
 // exitStatus reads s, falling back to UnknownExitCode at the clock's now
-// when there is no status or Result fails or panics.
+// when there is no status or Result fails.
 func (m *Monitor) exitStatus(key string, s ExitStatus) (code uint32, at time.Time) {
-	err := fmt.Errorf("exit channel closed without a status")
+	err := errors.New("exit channel closed without a status")
 	if s != nil {
-		err = func() (err error) {
-			defer func() {
-				if r := recover(); r != nil {
-					err = fmt.Errorf("reading the exit status panicked: %v", r)
-				}
-			}()
-			code, at, err = s.Result()
-			return err
-		}()
+		code, at, err = s.Result()
 	}
 	if err != nil {
 		m.cfg.logger.WithField("key", key).WithError(err).Warn("cannot read exit status; exit code unknown")

@@ -24,11 +24,6 @@ type exitResult struct {
 
 func (s exitResult) Result() (uint32, time.Time, error) { return s.code, s.at, s.err }
 
-// exitPanics is an ExitStatus whose Result panics.
-type exitPanics struct{}
-
-func (exitPanics) Result() (uint32, time.Time, error) { panic("no status") }
-
 // exitAs builds key's exit as ev{key, code}, so that the recorder orders,
 // gates and fails it with key's other events.
 func exitAs(key string) func(uint32, time.Time) any {
@@ -148,7 +143,6 @@ func TestWatchExitUnknownStatus(t *testing.T) {
 			ch <- exitResult{code: 3, at: epoch, err: errors.New("no status")}
 		}},
 		{"channel closed empty", func(ch chan eventmonitor.ExitStatus) { close(ch) }},
-		{"Result panics", func(ch chan eventmonitor.ExitStatus) { ch <- exitPanics{} }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h := newHarness(t, nil)

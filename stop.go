@@ -3,8 +3,8 @@ package eventmonitor
 import (
 	"context"
 	"fmt"
+	"maps"
 	"slices"
-	"sort"
 )
 
 // Stop ends intake, cancels the calls in progress and waits for them,
@@ -29,7 +29,7 @@ func (m *Monitor) stop(ctx context.Context) (cut bool) {
 	var drops []Drop
 	for len(m.calls) > 0 {
 		all := ctx.Err() != nil
-		cut = cut || all && slices.ContainsFunc(m.calls, func(c *call) bool { return c.state == inTime || c.state == late })
+		cut = cut || (all && slices.ContainsFunc(m.calls, func(c *call) bool { return c.state == inTime || c.state == late }))
 		drops = append(drops, m.abandon(all)...)
 		if len(m.calls) > 0 {
 			m.cond.Wait()
@@ -73,13 +73,8 @@ func (m *Monitor) abandon(all bool) (drops []Drop) {
 // the monitor's goroutines to leave.
 func (m *Monitor) finishStop() {
 	m.mu.Lock()
-	names := make([]string, 0, len(m.keys.byName))
-	for name := range m.keys.byName {
-		names = append(names, name)
-	}
-	sort.Strings(names)
 	var drops []Drop
-	for _, name := range names {
+	for _, name := range slices.Sorted(maps.Keys(m.keys.byName)) {
 		items := m.keys.forget(name)
 		m.stats.Dropped += uint64(len(items))
 		drops = append(drops, dropsOf(name, ErrStopped, items...)...)
