@@ -113,7 +113,10 @@ func TestKeysWithABacklogTakeTurnsAnEventAtATime(t *testing.T) {
 		h.rec.handled())
 }
 
-func TestSubmitRefusesWhatItCannotTake(t *testing.T) {
+// What the monitor cannot take, Submit refuses (the event stays the
+// caller's), and Backoff, which has no caller to tell, hands to the drop
+// handler.
+func TestRefusedEventsStayTheCallersOrAreDropped(t *testing.T) {
 	for _, tc := range []struct {
 		name  string
 		key   string
@@ -133,8 +136,20 @@ func TestSubmitRefusesWhatItCannotTake(t *testing.T) {
 			}
 			require.ErrorIs(t, h.m.Submit(tc.key, tc.event), tc.want)
 			h.settle(t)
-			assert.Zero(t, h.m.Stats().Received, "a refused event is not received")
+			assert.Zero(t, h.m.Stats().Received, "a refused Submit is not received")
 			assert.Empty(t, h.drops.list(), "the event stays the caller's: no drop")
+
+			h.m.Backoff(tc.key, tc.event)
+			drops := h.drops.list()
+			require.Len(t, drops, 1)
+			assert.ErrorIs(t, drops[0].Reason, tc.want)
+			assert.Equal(t, tc.key, drops[0].Key)
+			if tc.event != nil {
+				assert.Equal(t, []any{tc.event}, drops[0].Events)
+			}
+			s := h.m.Stats()
+			assert.Equal(t, [2]uint64{1, 1}, [2]uint64{s.Received, s.Dropped}, "a refused Backoff is received and dropped")
+			assert.False(t, h.m.InBackoff(tc.key))
 			assert.Empty(t, h.rec.log())
 		})
 	}
@@ -260,39 +275,6 @@ func TestBackoffDuringACallWaitsOnceTheCallEnds(t *testing.T) {
 			assert.Len(t, h.rec.log(), 1, "nothing handled before the due time")
 			h.step(t, time.Nanosecond)
 			assert.Equal(t, evs("a", 1, 2), h.rec.handled("a"))
-		})
-	}
-}
-
-func TestARefusedBackoffReachesTheDropHandler(t *testing.T) {
-	for _, tc := range []struct {
-		name  string
-		key   string
-		event any
-		end   func(*eventmonitor.Monitor)
-		want  error
-	}{
-		{"empty key", "", ev{"", 1}, nil, eventmonitor.ErrInvalidEvent},
-		{"nil event", "a", nil, nil, eventmonitor.ErrInvalidEvent},
-		{"after Stop", "a", ev{"a", 1}, (*eventmonitor.Monitor).Stop, eventmonitor.ErrStopped},
-		{"after Shutdown", "a", ev{"a", 1}, func(m *eventmonitor.Monitor) { _ = m.Shutdown(context.Background()) }, eventmonitor.ErrStopped},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			h := newHarness(t, nil)
-			if tc.end != nil {
-				tc.end(h.m)
-			}
-			h.m.Backoff(tc.key, tc.event)
-			drops := h.drops.list()
-			require.Len(t, drops, 1)
-			assert.ErrorIs(t, drops[0].Reason, tc.want)
-			assert.Equal(t, tc.key, drops[0].Key)
-			if tc.event != nil {
-				assert.Equal(t, []any{tc.event}, drops[0].Events)
-			}
-			s := h.m.Stats()
-			assert.Equal(t, [2]uint64{1, 1}, [2]uint64{s.Received, s.Dropped}, "received, dropped")
-			assert.False(t, h.m.InBackoff(tc.key))
 		})
 	}
 }
