@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/containerd/log"
-	"k8s.io/utils/clock"
 )
 
 // callState is where a handler call is, as the monitor sees it (under mu).
@@ -34,16 +33,15 @@ const (
 
 // call is one handler call; mu guards its state and slot.
 type call struct {
-	ctx       handlerContext
-	cancel    context.CancelCauseFunc
-	stopTimer context.CancelFunc // the standard library's deadline, on the real clock
-	key       *key
-	it        item
-	start     time.Time
-	deadline  time.Time // zero: none (WithHandleTimeout(0))
-	behind    int       // a retry's: events queued behind it, for its log line
-	state     callState
-	slot      slot
+	ctx      handlerContext
+	cancel   context.CancelCauseFunc // the scheduler ends ctx at its deadline, with the cause DeadlineExceeded
+	key      *key
+	it       item
+	start    time.Time
+	deadline time.Time // zero: none (WithHandleTimeout(0))
+	behind   int       // a retry's: events queued behind it, for its log line
+	state    callState
+	slot     slot
 }
 
 // handlerContext is a handler's ctx: a standard library context, ended when
@@ -58,9 +56,9 @@ type handlerContext struct {
 // Deadline is the call's start on the monitor's clock plus the handle timeout.
 func (c *handlerContext) Deadline() (time.Time, bool) { return c.deadline, !c.deadline.IsZero() }
 
-// Err is DeadlineExceeded once the deadline ended the call. On a clock of
-// its own the monitor ends it, with that cause; contexts derived from it
-// then end Canceled, with the cause DeadlineExceeded.
+// Err is DeadlineExceeded once the deadline ended the call. Contexts
+// derived from it end then too, Canceled with the cause DeadlineExceeded:
+// the monitor's clock, not a runtime timer, times the deadline.
 func (c *handlerContext) Err() error {
 	err := c.Context.Err()
 	if err != nil && context.Cause(c.Context) == context.DeadlineExceeded {
@@ -109,17 +107,12 @@ func (m *Monitor) startCall(k *key, it item, s slot) *call {
 	if it.attempts > 0 {
 		c.behind = len(k.events)
 	}
-	var ctx context.Context
-	ctx, c.cancel = context.WithCancelCause(m.base)
 	if d := m.cfg.handleTimeout; d > 0 {
 		c.deadline = c.start.Add(d)
-		if _, real := m.cfg.clock.(clock.RealClock); real {
-			// As the standard library's: contexts derived from it end
-			// DeadlineExceeded too (gRPC's status says so).
-			ctx, c.stopTimer = context.WithDeadline(ctx, c.deadline)
-		}
 		m.wakeBy(c.deadline)
 	}
+	var ctx context.Context
+	ctx, c.cancel = context.WithCancelCause(m.base)
 	c.ctx = handlerContext{Context: ctx, key: k.name, deadline: c.deadline}
 	m.calls = append(m.calls, c)
 	m.work.Add(1)
@@ -199,9 +192,6 @@ func (m *Monitor) finish(c *call, err error) *call {
 		out.err = err
 	}
 	c.cancel(context.Canceled) // what the handler started with ctx stops
-	if c.stopTimer != nil {
-		c.stopTimer()
-	}
 	out.end = m.cfg.clock.Now()
 	out.ran = out.end.Sub(c.start)
 	m.mu.Lock()

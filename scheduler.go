@@ -166,9 +166,7 @@ func (m *Monitor) expire(now time.Time) (lines []overrun) {
 	for _, c := range m.calls {
 		if c.state == inTime && !c.deadline.IsZero() && !now.Before(c.deadline) {
 			c.state = late
-			if c.stopTimer == nil { // on the real clock the standard library's timer ends it
-				c.cancel(context.DeadlineExceeded)
-			}
+			c.cancel(context.DeadlineExceeded)
 		}
 		if c.state == late && !now.Before(m.overrunAt(c)) {
 			c.state = overran
