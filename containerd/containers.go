@@ -129,10 +129,11 @@ func (k *containerKind) settled(id string, c *Container) {
 	ctx, cancel := context.WithCancel(k.runCtx)
 	k.waits[id] = exitWait{pid: c.Task.Pid, cancel: cancel}
 	pid, submit := c.Task.Pid, k.submit
+	waiter := newWaiter(k.conn, k.namespace, id, "")
 	k.waiting.Add(1)
 	go func() {
 		defer k.waiting.Done()
-		if s, ok := <-WaitExit(ctx, k.conn, k.namespace, id, ""); ok && s.Error() == nil {
+		if s, ok := waiter.wait(ctx); ok && s.Error() == nil {
 			_ = submit(id, stamped{event: waited{pid: pid, status: s}, at: s.ExitTime()}) // refused: the informer stops
 		}
 	}()
@@ -160,14 +161,10 @@ func (k *containerKind) keys() []eventmonitor.TypeKey {
 	}
 }
 
-func (k *containerKind) ctx(ctx context.Context) context.Context {
-	return metadata.AppendToOutgoingContext(ctx, namespaceHeader, k.namespace)
-}
-
 // list returns every container with its task. containerd 1.6 leaves a
 // task's ContainerID empty in Tasks.List; its ID is the container's.
 func (k *containerKind) list(ctx context.Context) (map[string]*Container, error) {
-	ctx = k.ctx(ctx)
+	ctx = metadata.AppendToOutgoingContext(ctx, namespaceHeader, k.namespace)
 	stream, err := k.containers.ListStream(ctx, &containersapi.ListContainersRequest{})
 	if err != nil {
 		return nil, err
@@ -198,7 +195,8 @@ func (k *containerKind) list(ctx context.Context) (map[string]*Container, error)
 
 // read returns the container with id and its task; nil if there is none.
 func (k *containerKind) read(ctx context.Context, id string) (*Container, error) {
-	ctx = k.ctx(ctx)
+	ctx, cancel := rpc(ctx, k.namespace)
+	defer cancel()
 	resp, err := k.containers.Get(ctx, &containersapi.GetContainerRequest{ID: id})
 	if status.Code(err) == codes.NotFound {
 		return nil, nil
@@ -211,7 +209,8 @@ func (k *containerKind) read(ctx context.Context, id string) (*Container, error)
 	return c, err
 }
 
-// readTask returns the task of container id; nil if it has none.
+// readTask returns the task of container id, nil if it has none; ctx is
+// rpc's.
 func (k *containerKind) readTask(ctx context.Context, id string) (*Task, error) {
 	resp, err := k.tasks.Get(ctx, &tasksapi.GetRequest{ContainerID: id})
 	if status.Code(err) == codes.NotFound {
@@ -328,7 +327,9 @@ func samePid(a, b uint32) bool { return a == b || a == 0 || b == 0 }
 // time are only in the daemon's record.
 func (k *containerKind) created(ctx context.Context, e *events.ContainerCreate) ([]*Container, bool, error) {
 	c := &Container{ID: e.ID, Image: e.Image, Runtime: e.Runtime.GetName()}
-	resp, err := k.containers.Get(k.ctx(ctx), &containersapi.GetContainerRequest{ID: e.ID})
+	ctx, cancel := rpc(ctx, k.namespace)
+	defer cancel()
+	resp, err := k.containers.Get(ctx, &containersapi.GetContainerRequest{ID: e.ID})
 	switch {
 	case err == nil:
 		c = containerOf(resp.GetContainer())
@@ -368,7 +369,9 @@ func forward(a, b TaskStatus) bool {
 // stream's status can be wrong (containerd 1.6 around a restart). Without
 // a record of this lifetime, the exit waits for what ends the task.
 func (k *containerKind) exited(ctx context.Context, id string, cur *Container, e *events.TaskExit) ([]*Container, bool, error) {
-	t, err := k.readTask(k.ctx(ctx), id)
+	ctx, cancel := rpc(ctx, k.namespace)
+	defer cancel()
+	t, err := k.readTask(ctx, id)
 	switch {
 	case err != nil:
 		return nil, false, err
@@ -454,8 +457,8 @@ func (k *containerKind) equal(a, b *Container) bool {
 	if a == nil || b == nil {
 		return a == b
 	}
-	return a.ID == b.ID && a.Image == b.Image && a.Runtime == b.Runtime && maps.Equal(a.Labels, b.Labels) &&
-		a.CreatedAt.Equal(b.CreatedAt) && sameTask(a.Task, b.Task) && sameTask(a.LastExit, b.LastExit)
+	return sameTask(a.Task, b.Task) && sameTask(a.LastExit, b.LastExit) && a.ID == b.ID && a.Image == b.Image &&
+		a.Runtime == b.Runtime && a.CreatedAt.Equal(b.CreatedAt) && maps.Equal(a.Labels, b.Labels) // the labels last: task events change the task
 }
 
 func sameTask(a, b *Task) bool {

@@ -51,12 +51,8 @@ func (k *imageKind) keys() []eventmonitor.TypeKey {
 	}
 }
 
-func (k *imageKind) ctx(ctx context.Context) context.Context {
-	return metadata.AppendToOutgoingContext(ctx, namespaceHeader, k.namespace)
-}
-
 func (k *imageKind) list(ctx context.Context) (map[string]*Image, error) {
-	resp, err := k.images.List(k.ctx(ctx), &imagesapi.ListImagesRequest{})
+	resp, err := k.images.List(metadata.AppendToOutgoingContext(ctx, namespaceHeader, k.namespace), &imagesapi.ListImagesRequest{})
 	if err != nil {
 		return nil, err
 	}
@@ -68,7 +64,9 @@ func (k *imageKind) list(ctx context.Context) (map[string]*Image, error) {
 }
 
 func (k *imageKind) read(ctx context.Context, name string) (*Image, error) {
-	resp, err := k.images.Get(k.ctx(ctx), &imagesapi.GetImageRequest{Name: name})
+	ctx, cancel := rpc(ctx, k.namespace)
+	defer cancel()
+	resp, err := k.images.Get(ctx, &imagesapi.GetImageRequest{Name: name})
 	if status.Code(err) == codes.NotFound {
 		return nil, nil
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/containerd/log"
 	"github.com/containerd/typeurl/v2"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/metadata"
 	"k8s.io/utils/clock"
 
 	"github.com/eventmonitor/eventmonitor"
@@ -62,12 +63,19 @@ type InformerStats struct {
 	LastRelist   time.Duration // from the last relist's start until its listing was applied
 }
 
-// readTimeout bounds the reads that applying one event or refresh makes,
-// and listTimeout a listing; both on the real clock, as gRPC reads them.
+// readTimeout bounds one read of the daemon, and listTimeout a listing;
+// both on the real clock, as gRPC reads them.
 const (
 	readTimeout = 10 * time.Second
 	listTimeout = time.Minute
 )
+
+// rpc is ctx for one read in namespace: its namespace header, and
+// readTimeout.
+func rpc(ctx context.Context, namespace string) (context.Context, context.CancelFunc) {
+	ctx, cancel := context.WithTimeout(ctx, readTimeout)
+	return metadata.AppendToOutgoingContext(ctx, namespaceHeader, namespace), cancel
+}
 
 // kind is what the engine needs of one kind of object.
 type kind[T any] interface {
@@ -384,8 +392,6 @@ func (inf *Informer[T]) roundDone(r *round, corrections uint64) {
 // its object's cache entry and queues the changes for the handler.
 func (inf *Informer[T]) apply(ctx context.Context, input any) error {
 	id := eventmonitor.KeyFromContext(ctx)
-	ctx, cancel := context.WithTimeout(ctx, readTimeout)
-	defer cancel()
 	switch in := input.(type) {
 	case observation[T]:
 		n := inf.observe(id, in)

@@ -105,12 +105,7 @@ func WaitExit(ctx context.Context, conn grpc.ClientConnInterface, namespace, con
 	if conn == nil {
 		panic("containerd: WaitExit with a nil connection")
 	}
-	w := &waiter{
-		client: tasksapi.NewTasksClient(conn),
-		req:    &tasksapi.WaitRequest{ContainerID: containerID, ExecID: execID},
-		ns:     namespace,
-	}
-	w.conn, _ = conn.(wakeable)
+	w := newWaiter(conn, namespace, containerID, execID)
 	ch := make(chan ExitStatus, 1)
 	go func() {
 		defer close(ch)
@@ -128,11 +123,21 @@ type waiter struct {
 	conn   wakeable // nil unless the connection can be woken
 }
 
+func newWaiter(conn grpc.ClientConnInterface, namespace, containerID, execID string) *waiter {
+	w := &waiter{client: tasksapi.NewTasksClient(conn), ns: namespace,
+		req: &tasksapi.WaitRequest{ContainerID: containerID, ExecID: execID}}
+	w.conn, _ = conn.(wakeable)
+	return w
+}
+
 // wait calls Wait until it yields a status to deliver; false when ctx ended.
 func (w *waiter) wait(ctx context.Context) (ExitStatus, bool) {
-	logger := log.G(ctx).WithField("container", w.req.ContainerID)
-	if w.req.ExecID != "" {
-		logger = logger.WithField("exec", w.req.ExecID)
+	logger := func() *log.Entry { // only when it logs: most waits never do
+		l := log.G(ctx).WithField("container", w.req.ContainerID)
+		if w.req.ExecID != "" {
+			l = l.WithField("exec", w.req.ExecID)
+		}
+		return l
 	}
 	callCtx := metadata.AppendToOutgoingContext(ctx, namespaceHeader, w.ns)
 	delay, others, outage := waitRetryInitial, 0, false
@@ -144,7 +149,7 @@ func (w *waiter) wait(ctx context.Context) (ExitStatus, bool) {
 			return ExitStatus{}, false
 		case err == nil:
 			if outage {
-				logger.Info("task exit read after the connection to containerd was restored")
+				logger().Info("task exit read after the connection to containerd was restored")
 			}
 			return ExitStatus{code: resp.GetExitStatus(), exitedAt: resp.GetExitedAt().AsTime()}, true
 		case status.Code(err) == codes.NotFound:
@@ -152,7 +157,7 @@ func (w *waiter) wait(ctx context.Context) (ExitStatus, bool) {
 		case isTransportError(err):
 			others = 0
 			if !outage {
-				logger.WithError(err).Warn("waiting for a task's exit: connection to containerd lost; waiting again once it is back")
+				logger().WithError(err).Warn("waiting for a task's exit: connection to containerd lost; waiting again once it is back")
 				outage = true
 			}
 		default:
@@ -160,7 +165,7 @@ func (w *waiter) wait(ctx context.Context) (ExitStatus, bool) {
 			if others >= waitOtherAttempts {
 				return w.failed(fmt.Errorf("containerd: wait for %s in namespace %q: %w", w.what(), w.ns, err)), true
 			}
-			logger.WithError(err).Debug("waiting for a task's exit failed; trying again")
+			logger().WithError(err).Debug("waiting for a task's exit failed; trying again")
 		}
 		// A wait that was established and broke later (the daemon went away
 		// under it) starts a fresh backoff: the daemon may be back at once.
