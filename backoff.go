@@ -18,13 +18,27 @@ const (
 	keyWaiting                 // in backoff: in the heap until its due time
 )
 
-// item is one accepted event in its key's queue.
+// item is one accepted event in its key's queue; what only some need is
+// behind pointers, as queues hold many.
 type item struct {
-	event        any
-	origin       *origin // the envelope's topic and namespace; nil for Submit, Backoff and exits
-	attempts     int     // failed handler calls so far (Backoff counts one)
-	firstFailure time.Time
-	lastErr      error
+	event  any
+	origin *origin  // the envelope's topic and namespace; nil for Submit, Backoff and exits
+	failed *failure // nil until the event fails, or is given to Backoff
+}
+
+// failure is an event's failed handler calls so far. It is replaced, not
+// changed: a report may still read the one before without the lock.
+type failure struct {
+	attempts int // Backoff counts one
+	first    time.Time
+	last     error // nil for an event given to Backoff
+}
+
+func (it item) attempts() int {
+	if it.failed == nil {
+		return 0
+	}
+	return it.failed.attempts
 }
 
 // origin is where an envelope's event came from, for its drop and log lines.
@@ -202,7 +216,7 @@ func (s *keySet) done(k *key) {
 func (s *keySet) failed(k *key, it item, now time.Time) time.Duration {
 	k.events = slices.Insert(k.events, 0, it) // failures are rare: a copy is fine
 	s.queued++
-	d := s.policy.delay(it.attempts)
+	d := s.policy.delay(it.attempts())
 	due := s.policy.dueAfter(now, d)
 	if k.due.After(due) {
 		due = k.due

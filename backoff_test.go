@@ -91,7 +91,7 @@ func TestAFailedEventWaitsAtItsKeysHead(t *testing.T) {
 	s.push("a", item{event: "a1"})
 	s.push("a", item{event: "a2"})
 	k, it := s.take()
-	it.attempts = 1
+	it.failed = &failure{attempts: 1}
 	require.Equal(t, time.Second, s.failed(k, it, t0))
 	require.Equal(t, keyWaiting, k.state)
 	require.Equal(t, t0.Add(time.Second), k.due)
@@ -102,7 +102,7 @@ func TestAFailedEventWaitsAtItsKeysHead(t *testing.T) {
 	require.Nil(t, k2, "a waiting key is not ready")
 	requireConsistent(t, s)
 
-	it.attempts = 3
+	it.failed = &failure{attempts: 3}
 	s.retryDue(t0.Add(time.Second), false)
 	k, _ = s.take()
 	require.Equal(t, 4*time.Second, s.failed(k, it, t0.Add(time.Second)), "the third failure waits 4x")
@@ -114,7 +114,7 @@ func TestRetryDueReleasesKeysInDueOrder(t *testing.T) {
 	for i, name := range []string{"c", "a", "b"} {
 		s.push(name, item{event: name})
 		k, it := s.take()
-		it.attempts = 3 - i // c waits 4s, a 2s, b 1s
+		it.failed = &failure{attempts: 3 - i} // c waits 4s, a 2s, b 1s
 		s.failed(k, it, t0)
 	}
 	require.Equal(t, t0.Add(time.Second), s.nextDue())
@@ -137,7 +137,7 @@ func TestRetryDueReleasesKeysInDueOrder(t *testing.T) {
 }
 
 func TestPushBackoff(t *testing.T) {
-	backedOff := item{event: "b", attempts: 1}
+	backedOff := item{event: "b", failed: &failure{attempts: 1}}
 	for _, tc := range []struct {
 		name    string
 		prepare func(s *keySet) *key
@@ -151,7 +151,7 @@ func TestPushBackoff(t *testing.T) {
 		{"a waiting key keeps its due time", func(s *keySet) *key {
 			s.push("k", item{event: "q"})
 			k, it := s.take()
-			it.attempts = 4
+			it.failed = &failure{attempts: 4}
 			s.failed(k, it, t0.Add(-time.Second))
 			return nil
 		}, t0.Add(7 * time.Second)},
@@ -186,8 +186,8 @@ func TestAFailureDuringACallGivenBackoffWaitsTheLonger(t *testing.T) {
 		s := newKeySet(testPolicy(), 0)
 		s.push("k", item{event: "q"})
 		k, it := s.take()
-		s.pushBackoff("k", item{event: "b", attempts: 1}, t0.Add(time.Second)) // due at 2s
-		it.attempts = tc.attempts
+		s.pushBackoff("k", item{event: "b", failed: &failure{attempts: 1}}, t0.Add(time.Second)) // due at 2s
+		it.failed = &failure{attempts: tc.attempts}
 		s.failed(k, it, t0)
 		require.Equal(t, t0.Add(tc.want), k.due, "attempts %d", tc.attempts)
 		require.Equal(t, []any{"q", "b"}, events(k))
@@ -206,12 +206,12 @@ func TestForget(t *testing.T) {
 			switch state {
 			case keyRunning:
 				k, _ = s.take()
-				s.pushBackoff("k", item{event: "k3"}, t0)
+				s.pushBackoff("k", item{event: "k3", failed: &failure{attempts: 1}}, t0)
 				want = []any{"k2", "k3"}
 			case keyWaiting:
 				var it item
 				k, it = s.take()
-				it.attempts = 1
+				it.failed = &failure{attempts: 1}
 				s.failed(k, it, t0)
 			}
 			var got []any
@@ -262,7 +262,7 @@ func TestFullCountsTheCallInProgress(t *testing.T) {
 	require.False(t, s.full("k"))
 	s.push("k", item{event: 2})
 	require.True(t, s.full("k"), "a queued event and the call's")
-	it.attempts = 1
+	it.failed = &failure{attempts: 1}
 	s.failed(k, it, t0)
 	require.Len(t, k.events, 2, "a failure keeps the key within its bound")
 	require.True(t, s.full("k"))
@@ -286,7 +286,7 @@ func FuzzKeySet(f *testing.F) {
 				s.push(name, item{event: next})
 				next++
 			case 1:
-				s.pushBackoff(name, item{event: next, attempts: 1}, now)
+				s.pushBackoff(name, item{event: next, failed: &failure{attempts: 1}}, now)
 				next++
 			case 2:
 				if k, it := s.take(); k != nil {
@@ -296,7 +296,7 @@ func FuzzKeySet(f *testing.F) {
 				for k, it := range calls {
 					delete(calls, k)
 					if ops[i]%8 == 4 {
-						it.attempts++
+						it.failed = &failure{attempts: it.attempts() + 1}
 						s.failed(k, it, now)
 					} else {
 						ended[it.event.(int)] = true

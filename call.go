@@ -104,7 +104,7 @@ func (m *Monitor) takeReady() *call {
 // startCall registers a call of it for k, just taken. mu is held.
 func (m *Monitor) startCall(k *key, it item, s slot) *call {
 	c := &call{key: k, it: it, slot: s, start: m.cfg.clock.Now()}
-	if it.attempts > 0 {
+	if it.failed != nil {
 		c.behind = len(k.events)
 	}
 	if d := m.cfg.handleTimeout; d > 0 {
@@ -131,16 +131,16 @@ var errHandlerExited = errors.New("eventmonitor: handler ended its goroutine (ru
 // handle makes call c and returns its slot's next call. A handler that ends
 // its goroutine fails its call, and a new goroutine takes the slot on.
 func (m *Monitor) handle(c *call) *call {
-	if c.it.attempts > 0 {
-		entry := m.itemLog(c.key.name, c.it).WithFields(log.Fields{"attempt": c.it.attempts + 1, "events": c.behind + 1})
-		if c.it.lastErr != nil { // an event given to Backoff has none
-			entry = entry.WithField("previous_error", c.it.lastErr)
+	if f := c.it.failed; f != nil {
+		entry := m.itemLog(c.key.name, c.it).WithFields(log.Fields{"attempt": f.attempts + 1, "events": c.behind + 1})
+		if f.last != nil { // an event given to Backoff has none
+			entry = entry.WithField("previous_error", f.last)
 		}
 		entry.Info("retrying backed-off events")
 	}
 	m.mu.Lock() // after the log line, which may be slow: Stop may withdraw the call meanwhile
 	withdrawn := c.state == abandoned
-	if !withdrawn && c.it.attempts > 0 {
+	if !withdrawn && c.it.failed != nil {
 		m.stats.Retried++
 	}
 	m.mu.Unlock()
@@ -241,15 +241,15 @@ func (m *Monitor) settle(c *call, out *outcome) {
 		m.stats.Handled++
 	default:
 		m.stats.Failed++
-		c.it.attempts++
-		if c.it.attempts == 1 {
-			c.it.firstFailure = out.end
+		f := failure{attempts: 1, first: out.end, last: out.err}
+		if old := c.it.failed; old != nil {
+			f.attempts, f.first = old.attempts+1, old.first
 		}
-		c.it.lastErr = out.err
+		c.it.failed = &f
 		switch {
 		case m.state != running:
 			out.drop = ErrStopped
-		case m.cfg.maxAttempts > 0 && c.it.attempts >= m.cfg.maxAttempts:
+		case m.cfg.maxAttempts > 0 && f.attempts >= m.cfg.maxAttempts:
 			out.drop = ErrMaxAttempts
 		default:
 			out.delay = m.keys.failed(c.key, c.it, out.end)
@@ -266,8 +266,8 @@ func (m *Monitor) settle(c *call, out *outcome) {
 func (m *Monitor) report(c *call, out outcome) {
 	if mt := m.cfg.metrics; mt != nil {
 		mt.HandlerDone(out.ran, out.err)
-		if out.err == nil && !out.ignored && c.it.attempts > 0 {
-			mt.Recovered(out.end.Sub(c.it.firstFailure))
+		if out.err == nil && !out.ignored && c.it.failed != nil {
+			mt.Recovered(out.end.Sub(c.it.failed.first))
 		}
 	}
 	if out.overran {
@@ -276,7 +276,7 @@ func (m *Monitor) report(c *call, out outcome) {
 	switch {
 	case out.drop != nil:
 		m.itemLog(c.key.name, c.it).WithError(out.err).Warn("giving up on event")
-		reason := fmt.Errorf("%w (%d): %w", ErrMaxAttempts, c.it.attempts, out.err)
+		reason := fmt.Errorf("%w (%d): %w", ErrMaxAttempts, c.it.attempts(), out.err)
 		if out.drop == ErrStopped {
 			reason = fmt.Errorf("%w: failed while the monitor stops: %w", ErrStopped, out.err)
 		}
@@ -288,7 +288,7 @@ func (m *Monitor) report(c *call, out outcome) {
 
 // itemLog is the logger with an event's fields.
 func (m *Monitor) itemLog(name string, it item) *log.Entry {
-	fields := log.Fields{"key": name, "attempt": it.attempts}
+	fields := log.Fields{"key": name, "attempt": it.attempts()}
 	if topic, ns := it.from(); topic != "" || ns != "" {
 		fields["topic"], fields["namespace"] = topic, ns
 	}

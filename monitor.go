@@ -132,7 +132,7 @@ func (m *Monitor) Submit(key string, event any) error {
 // the drop handler.
 func (m *Monitor) Backoff(key string, event any) {
 	m.mu.Lock()
-	it := item{event: event, attempts: 1, firstFailure: m.cfg.clock.Now()}
+	it := item{event: event, failed: &failure{attempts: 1, first: m.cfg.clock.Now()}}
 	var drops []Drop
 	if err := m.accept(key, it, fromBackoff); err != nil {
 		drops = m.refuse(key, it, err)
@@ -153,12 +153,12 @@ func (m *Monitor) accept(name string, it item, from source) error {
 		return fmt.Errorf("%w: nil event for key %q", ErrInvalidEvent, name)
 	case from != fromExit && m.keys.full(name):
 		return fmt.Errorf("%w: key %q holds WithMaxQueuedPerKey(%d) events", ErrQueueFull, name, m.cfg.maxQueuedPerKey)
-	case m.cfg.maxAttempts > 0 && it.attempts >= m.cfg.maxAttempts: // WithMaxAttempts(1) and Backoff
-		return fmt.Errorf("%w (%d)", ErrMaxAttempts, it.attempts)
+	case m.cfg.maxAttempts > 0 && it.attempts() >= m.cfg.maxAttempts: // WithMaxAttempts(1) and Backoff
+		return fmt.Errorf("%w (%d)", ErrMaxAttempts, it.attempts())
 	}
 	m.stats.Received++
 	if from == fromBackoff {
-		m.keys.pushBackoff(name, it, it.firstFailure)
+		m.keys.pushBackoff(name, it, it.failed.first)
 	} else {
 		m.keys.push(name, it)
 	}

@@ -61,7 +61,7 @@ func (m *Monitor) Pending() []Pending {
 	defer m.mu.Unlock()
 	out := make([]Pending, 0, len(m.keys.due))
 	for _, k := range m.keys.due {
-		p := Pending{Key: k.name, Attempts: k.events[0].attempts, Due: k.due}
+		p := Pending{Key: k.name, Attempts: k.events[0].attempts(), Due: k.due}
 		for _, it := range k.events {
 			p.Events = append(p.Events, it.event)
 		}

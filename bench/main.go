@@ -20,7 +20,6 @@ import (
 	"time"
 
 	"github.com/containerd/log"
-
 )
 
 type row struct {
