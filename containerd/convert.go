@@ -9,22 +9,12 @@ import (
 // K8sNamespace is the containerd namespace of Kubernetes' containers.
 const K8sNamespace = "k8s.io"
 
-// Converter keys every event type of containerd's api/events package:
-//
-//   - task and container events by container ID (a sandbox's own task
-//     events carry the sandbox ID as their container ID, so they share the
-//     sandbox's key);
-//   - sandbox events by sandbox ID;
-//   - image and namespace events by name;
-//   - snapshot events by snapshot key;
-//   - content events by digest.
-//
-// Keys of different kinds are not prefixed, so that a task's and its
-// container's events share one key and one order. An image and a namespace
-// may then share a key too, which only orders them together. Container IDs
-// are unique within a containerd namespace only: a monitor that does not
-// filter by namespace (eventmonitor.WithNamespace) orders same-named
-// containers of different namespaces as one key.
+// Converter keys every event type of containerd's api/events: task and
+// container events by container ID (a sandbox's own task by the sandbox's),
+// sandbox events by sandbox ID, images and namespaces by name, snapshots by
+// key and content by digest. Keys are not prefixed, so a task and its
+// container share one order; container IDs are unique per namespace only,
+// so filter by one (eventmonitor.WithNamespace).
 func Converter() eventmonitor.Converter { return converter }
 
 var converter = eventmonitor.NewConverter(

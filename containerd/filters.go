@@ -44,14 +44,10 @@ var topics = map[reflect.Type][]string{
 	reflect.TypeFor[*events.ContentDelete]():    {"/content/delete"},
 }
 
-// Filters returns containerd event filters that ask the daemon for only the
-// events of the types keys convert, in namespace if it is not "". Pass them
-// to Run (or Subscribe): events no handler wants then never cross the
-// socket, rather than being read, decoded and counted as ignored.
-//
-// It returns an error naming any key whose type is not one of containerd's
-// event types (a type of one's own, published on a topic of one's own, needs
-// a filter of one's own beside these).
+// Filters returns daemon-side filters for only the event types keys
+// convert, in namespace if not "", so that events no handler wants never
+// cross the socket. It names any key that is not a containerd event type;
+// such a type needs a filter of one's own.
 func Filters(namespace string, keys ...eventmonitor.TypeKey) ([]string, error) {
 	var filters, unknown []string
 	for _, k := range keys {

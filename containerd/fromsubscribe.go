@@ -24,41 +24,14 @@ type EnvelopeFields interface {
 	}
 }
 
-// FromSubscribe adapts a containerd-shaped Subscribe function to an
-// eventmonitor.Subscriber: the method of containerd's client
-// (client.Subscribe, client.EventService().Subscribe), including the
-// in-process client a plugin inside containerd has
-// (containerd.New("", containerd.WithInMemoryServices(ic))), whose events
-// never cross a socket, so that NewSubscriber, which needs a gRPC
-// connection, cannot read them:
+// FromSubscribe adapts a containerd-shaped Subscribe function, such as
+// client.Subscribe, to an eventmonitor.Subscriber; a plugin inside
+// containerd uses it with its in-process client, whose events never cross a
+// socket. E is inferred, so the call stops compiling, rather than losing a
+// field, should containerd's Envelope change. Its channels close when ctx
+// ends, though containerd's never do. A nil subscribe panics.
 //
 //	m.Run(ctx, containerd.FromSubscribe(client.Subscribe), filters...)
-//
-// E is inferred: events.Envelope for containerd's client. FromSubscribe is
-// generic over the envelope's type, constrained to its fields
-// (EnvelopeFields), rather than taking a conversion function, for two
-// reasons: a containerd client plugs in with no code (no function to write
-// per caller, none to get wrong by leaving a field out), and this module
-// stays free of containerd/v2, which it would otherwise have to import for
-// the type. Should containerd's Envelope ever change, the call stops
-// compiling rather than losing a field. A source of another shape (an
-// envelope with other fields, or containerd 1.x's typeurl v1 Any) needs an
-// eventmonitor.SubscriberFunc of its own.
-//
-// containerd's subscriptions never close their envelope channel, and may
-// send a nil error when their ctx is cancelled. The Subscriber returned
-// therefore watches ctx itself: when ctx ends, its channels close (the
-// source's subscription, given a ctx derived from ctx, ends too) even
-// though the source's channel never does. A non-nil error from the source
-// is delivered on errs (wrapped), after any envelope the source had
-// buffered before it, and then both channels close; so does a source's
-// errs closing, or delivering nil, while ctx lasts (the monitor's Run then
-// re-subscribes). A source that closes its envelope channel is read until
-// its errs says why, or ctx ends. Nothing outlives ctx, as long as the
-// source's own goroutines end with the ctx they are given, as containerd's
-// do.
-//
-// A nil subscribe is a programming error: FromSubscribe panics at once.
 func FromSubscribe[E EnvelopeFields](subscribe func(ctx context.Context, filters ...string) (<-chan *E, <-chan error)) eventmonitor.Subscriber {
 	if subscribe == nil {
 		panic("containerd: FromSubscribe with a nil subscribe function")

@@ -35,16 +35,11 @@ var reconnectBackoff = backoff.Config{
 	MaxDelay:   time.Second,
 }
 
-// Dial connects to containerd's gRPC socket at address, a unix socket path
-// such as /run/containerd/containerd.sock, and waits until the connection is
-// ready or ctx ends (DefaultDialTimeout if ctx has no deadline). Close the
-// connection when done.
-//
-// Dial fails at once, saying why, when there is no socket at address, when
-// address is not a socket, or when the socket cannot be opened (nobody
-// listens on it, or permission is denied); retry it yourself if the daemon
-// may still be starting. Once connected, the connection reconnects on its
-// own after a daemon restart, at most a second apart.
+// Dial connects to containerd's unix socket at address and waits until the
+// connection is ready or ctx ends (DefaultDialTimeout without a deadline).
+// It fails at once, saying why, when the socket is missing or cannot be
+// opened, so retry it yourself while the daemon may still be starting. The
+// connection reconnects at most a second apart after a daemon restart.
 func Dial(ctx context.Context, address string) (*grpc.ClientConn, error) {
 	if address == "" {
 		return nil, errors.New("containerd: empty socket address")
@@ -129,19 +124,11 @@ func (d *socketDialer) failure() error {
 }
 
 // NewSubscriber returns a Subscriber over containerd's events service on
-// conn. Filters are containerd's (for example `topic~="/tasks/"` or
-// `namespace==k8s.io`; see Filters) and pass through to the daemon. A stream
-// that breaks delivers its gRPC error on errs, then both channels close;
-// when ctx ends they close without an error. Nothing outlives ctx.
-// Subscribe returns once the stream is open or refused, or after 400 ms: a
-// daemon that takes the socket but has not answered by then is not taken
-// as refusing, so Run may relist (WithResync) before it answers.
-//
-// If conn is a *grpc.ClientConn, every subscription first wakes the
-// connection's reconnection (see wakeConnection), so that after a daemon
-// restart the stream comes back when Run re-subscribes, not when gRPC's
-// reconnect backoff (which may be minutes on a connection not made by
-// Dial) next tries.
+// conn; filters (see Filters) pass through to the daemon. Subscribe returns
+// once the stream is open or refused, or after 400 ms. On a
+// *grpc.ClientConn it first wakes the connection's reconnection, so that
+// the stream comes back after a daemon restart when Run re-subscribes, not
+// when gRPC's reconnect backoff next tries.
 func NewSubscriber(conn grpc.ClientConnInterface) eventmonitor.Subscriber {
 	s := &subscriber{client: eventsapi.NewEventsClient(conn)}
 	s.conn, _ = conn.(wakeable)

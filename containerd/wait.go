@@ -67,40 +67,13 @@ func (s ExitStatus) ExitTime() time.Time { return s.exitedAt }
 // daemon kept answering with), nil for a real exit.
 func (s ExitStatus) Error() error { return s.err }
 
-// WaitExit waits for the exit of a task's process through containerd's
-// Tasks service (its Wait call) on conn, and delivers the exit on the
-// returned channel, which is then closed. namespace is the task's
-// containerd namespace (K8sNamespace for Kubernetes' containers); execID is
-// "" for the task's init process (the container's own), else the exec's ID.
-//
-// Unlike the channel of containerd's task.Wait, a broken connection is not
-// an exit. When the wait fails with a transport error (the daemon was
-// killed or restarted: gRPC Unavailable, a reset or EOF on the socket), it
-// waits again once the daemon is back, at most about a second after it is,
-// trying with a backoff from 100 ms to 1 s meanwhile: the task's shim
-// outlives its daemon, and a restarted daemon serves the same task's exit,
-// even one that happened during the outage. So the channel delivers:
-//
-//   - a real exit status (Error nil), whenever the process exits;
-//   - a status whose Error wraps ErrTaskGone, when the daemon answers that
-//     it has no such task: it was deleted, or the daemon lost it (its shim
-//     died, and the daemon cleaned up after it); the exit code is then
-//     eventmonitor.UnknownExitCode;
-//   - a status whose Error is the daemon's answer, when a wait fails with
-//     any other error 3 times in a row (a malformed request, a permission
-//     denied: nothing waiting again would change);
-//   - nothing, when ctx ends first: the channel is closed without a value.
-//     eventmonitor.WatchExit then does nothing if its own ctx has ended
-//     too (pass it the same ctx), and otherwise reports UnknownExitCode.
-//
-// The channel has room for its one value, so WaitExit's goroutine never
-// waits for a reader, and ends with ctx at the latest. A transport error is
-// logged (log.G(ctx)) at warn level once per outage.
-//
-// conn is a connection to containerd's gRPC socket, such as Dial's (which
-// reconnects at most a second apart after a restart). If it is a
-// *grpc.ClientConn, each wait again first wakes its reconnection and gives
-// it a moment to connect, as NewSubscriber does. A nil conn is a programming error: WaitExit panics.
+// WaitExit waits on conn for the exit of a task's process (execID "" for
+// its init process) and delivers it on the returned channel, which is then
+// closed, or closed empty when ctx ends first. Unlike containerd's
+// task.Wait, a broken connection is not an exit: it waits again, backing off
+// from 100 ms to 1 s, until the daemon is back. An Error wrapping
+// ErrTaskGone says the daemon no longer has the task; another error is one
+// the daemon gave 3 times in a row. A nil conn panics.
 func WaitExit(ctx context.Context, conn grpc.ClientConnInterface, namespace, containerID, execID string) <-chan ExitStatus {
 	if conn == nil {
 		panic("containerd: WaitExit with a nil connection")
