@@ -137,15 +137,15 @@ func (m *Monitor) handle(c *call) *call {
 			entry = entry.WithField("previous_error", f.last)
 		}
 		entry.Info("retrying backed-off events")
-	}
-	m.mu.Lock() // after the log line, which may be slow: Stop may withdraw the call meanwhile
-	withdrawn := c.state == abandoned
-	if !withdrawn && c.it.failed != nil {
-		m.stats.Retried++
-	}
-	m.mu.Unlock()
-	if withdrawn {
-		return nil // its event was dropped
+		m.mu.Lock() // after the log line, which may be slow: Stop may withdraw the call meanwhile
+		withdrawn := c.state == abandoned
+		if !withdrawn {
+			m.stats.Retried++
+		}
+		m.mu.Unlock()
+		if withdrawn {
+			return nil // its event was dropped
+		}
 	}
 	returned := false
 	defer func() {
