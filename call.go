@@ -137,15 +137,17 @@ func (m *Monitor) handle(c *call) *call {
 			entry = entry.WithField("previous_error", f.last)
 		}
 		entry.Info("retrying backed-off events")
-		m.mu.Lock() // after the log line, which may be slow: Stop may withdraw the call meanwhile
-		withdrawn := c.state == abandoned
-		if !withdrawn {
-			m.stats.Retried++
-		}
-		m.mu.Unlock()
-		if withdrawn {
-			return nil // its event was dropped
-		}
+	}
+	// Stop may have withdrawn the call since it was taken: before this
+	// goroutine ran, or during a retry's log line, which may be slow.
+	m.mu.Lock()
+	withdrawn := c.state == abandoned
+	if !withdrawn && c.it.failed != nil {
+		m.stats.Retried++
+	}
+	m.mu.Unlock()
+	if withdrawn {
+		return nil // its event was dropped
 	}
 	returned := false
 	defer func() {

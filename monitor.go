@@ -19,18 +19,19 @@ type Monitor struct {
 
 	// mu guards what follows, up to intake; every change ends in changed,
 	// which starts what can start and wakes whoever waits on cond.
-	mu         sync.Mutex
-	cond       sync.Cond
-	state      lifecycle
-	keys       *keySet
-	calls      []*call // in progress, in start order
-	busy       int     // worker slots in use
-	handing    int     // refused events whose drop is being handed over
-	stats      Stats   // the counters; Stats derives the gauges
-	sched      scheduler
-	reader     reader
-	subscribed *subscription // by Subscribe, for Start
-	hadStream  bool          // a stream was read: Run's next subscription is a re-subscription
+	mu             sync.Mutex
+	cond           sync.Cond
+	state          lifecycle
+	keys           *keySet
+	calls          []*call // in progress, in start order
+	busy           int     // worker slots in use
+	handing        int     // refused events whose drop is being handed over
+	abandonedDrops []Drop  // Stop's drops of abandoned calls, for finishStop
+	stats          Stats   // the counters; Stats derives the gauges
+	sched          scheduler
+	reader         reader
+	subscribed     *subscription // by Subscribe, for Start
+	hadStream      bool          // a stream was read: Run's next subscription is a re-subscription
 
 	intake    context.Context // ends when Shutdown or Stop is called
 	endIntake context.CancelFunc

@@ -26,17 +26,17 @@ func (m *Monitor) stop(ctx context.Context) (cut bool) {
 		}
 		m.changed()
 	}
-	var drops []Drop
 	for len(m.calls) > 0 {
 		all := ctx.Err() != nil
 		cut = cut || (all && slices.ContainsFunc(m.calls, func(c *call) bool { return c.state == inTime || c.state == late }))
-		drops = append(drops, m.abandon(all)...)
+		// finishStop hands them over: every Stop waits for it, so none
+		// returns while another still delivers an abandoned call's drop.
+		m.abandonedDrops = append(m.abandonedDrops, m.abandon(all)...)
 		if len(m.calls) > 0 {
 			m.cond.Wait()
 		}
 	}
 	m.mu.Unlock()
-	m.emit(drops...)
 	m.stopOnce.Do(m.finishStop) // a second Stop waits here for the first's
 	return cut
 }
@@ -73,7 +73,8 @@ func (m *Monitor) abandon(all bool) (drops []Drop) {
 // the monitor's goroutines to leave.
 func (m *Monitor) finishStop() {
 	m.mu.Lock()
-	var drops []Drop
+	drops := m.abandonedDrops // first: they are of earlier events of their keys
+	m.abandonedDrops = nil
 	for _, name := range slices.Sorted(maps.Keys(m.keys.byName)) {
 		items := m.keys.forget(name)
 		m.stats.Dropped += uint64(len(items))

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"math/rand/v2"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -244,8 +245,28 @@ func TestStopAbandonsAnOverrunningCall(t *testing.T) {
 
 // A call a worker took, but whose handler had not begun when the stop
 // abandoned it, is withdrawn: its event is dropped and its handler never
-// runs. A log hook holds the worker in the retry's log line meanwhile.
+// runs. That is a first attempt whose worker had not run yet, or a retry
+// whose worker a log hook holds in its log line.
 func TestAWithdrawnCallIsNeverInvoked(t *testing.T) {
+	t.Run("a first attempt whose worker has not run yet", func(t *testing.T) {
+		// One P keeps the workers Shutdown's drain starts from running
+		// before its ended ctx abandons their calls.
+		defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(1))
+		for i := range 20 {
+			before := goleak.IgnoreCurrent()
+			h := newHarness(t, nil, eventmonitor.WithDeferredStart(), eventmonitor.WithWorkers(4))
+			all := []any{ev{"a", i}, ev{"b", i}, ev{"c", i}, ev{"d", i}}
+			h.submit(t, all...)
+			ctx, cancel := context.WithCancel(context.Background())
+			cancel()
+			require.ErrorIs(t, h.m.Shutdown(ctx), context.Canceled)
+			stopRequireDropped(t, h, all...)
+			require.NoError(t, goleak.Find(before))
+			require.Empty(t, h.rec.log(), "the handler ran for events Shutdown dropped")
+			s := h.m.Stats()
+			require.Equal(t, [2]uint64{0, 4}, [2]uint64{s.Handled, s.Dropped})
+		}
+	})
 	for _, how := range []string{"Shutdown's ctx ended", "overran while Stop waits"} {
 		t.Run(how, func(t *testing.T) {
 			hook := &stopBlockHook{msg: "retrying backed-off events", blocked: make(chan struct{}), release: make(chan struct{})}
@@ -279,6 +300,45 @@ func TestAWithdrawnCallIsNeverInvoked(t *testing.T) {
 			stopRequireDone(t, s)
 		})
 	}
+}
+
+// A Stop does not return while another Stop still hands over the drop of a
+// call it abandoned.
+func TestAStopWaitsForAnotherStopsAbandonedDrop(t *testing.T) {
+	dropping, letDrop := make(chan struct{}), make(chan struct{})
+	release := sync.OnceFunc(func() { close(letDrop) })
+	defer release()
+	var h *harness
+	h = newHarness(t, nil, eventmonitor.WithDropHandler(func(d eventmonitor.Drop) {
+		if len(d.Events) == 1 && d.Events[0] == (ev{"a", 1}) {
+			close(dropping)
+			<-letDrop
+		}
+		h.drops.add(d)
+	}))
+	started, unblock := h.rec.gate(ev{"a", 1}) // ignores its ctx: overruns
+	defer unblock()
+	h.submit(t, ev{"a", 1})
+	awaitClosed(t, started, "a/1 starts")
+	began := stopBegan(h.m)
+	first := stopAsync(h.m.Stop)
+	awaitClosed(t, began, "the first Stop begins")
+	schedArmed(t, h)
+	h.clk.Step(11 * time.Second) // the deadline and the grace: the first Stop abandons a/1
+	awaitClosed(t, dropping, "the abandoned call's drop")
+	second := stopAsync(h.m.Stop)
+	require.Never(t, func() bool {
+		select {
+		case <-second:
+			return true
+		default:
+			return false
+		}
+	}, 100*time.Millisecond, time.Millisecond, "the second Stop returned while the first still hands over its drop")
+	release()
+	awaitClosed(t, first, "the first Stop")
+	awaitClosed(t, second, "the second Stop")
+	stopRequireDropped(t, h, ev{"a", 1})
 }
 
 // Stops and Shutdowns at once each return only once the stop is done, its
