@@ -253,10 +253,15 @@ func statusOf(s task.Status) TaskStatus {
 // forward within its lifetime (created, running or paused, stopped), so a
 // late or repeated event cannot undo an exit.
 // additive: a TaskOOM only marks the task it follows, which no listing
-// says, and may come a moment after the task's exit.
+// says, and may come a moment after the task's exit; an exit wait's news
+// only stops a live task of its pid, which no newer news about another
+// field of the container (a label update) undoes.
 func (k *containerKind) additive(event any) bool {
-	_, oom := event.(*events.TaskOOM)
-	return oom
+	switch event.(type) {
+	case *events.TaskOOM, waited:
+		return true
+	}
+	return false
 }
 
 func (k *containerKind) apply(ctx context.Context, id string, cur *Container, event any, at time.Time) ([]*Container, bool, error) {

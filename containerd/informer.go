@@ -215,8 +215,8 @@ func (inf *Informer[T]) Run(ctx context.Context) error {
 	err = inf.intake.Run(ctx, stampedSubscriber{NewSubscriber(inf.conn)}, filters...)
 	cancel()
 	periodic.Wait()
-	kindDone()
 	inf.intake.Stop()
+	kindDone() // after the intake's calls, which may start exit waits
 	inf.deliver.Stop()
 	if errors.Is(err, eventmonitor.ErrStopped) {
 		err = nil
@@ -511,11 +511,14 @@ type stampedAny struct {
 // stampedSubscriber stamps each envelope's payload with its timestamp.
 type stampedSubscriber struct{ eventmonitor.Subscriber }
 
+// Its error follows the envelopes copied before it: NewSubscriber closes
+// in only after sending its error, so the copy passes the error on last.
 func (s stampedSubscriber) Subscribe(ctx context.Context, filters ...string) (<-chan *eventmonitor.Envelope, <-chan error) {
-	in, errs := s.Subscriber.Subscribe(ctx, filters...)
-	out := make(chan *eventmonitor.Envelope, cap(in))
+	in, inErrs := s.Subscriber.Subscribe(ctx, filters...)
+	out, errs := make(chan *eventmonitor.Envelope, cap(in)), make(chan error, 1)
 	go func() {
-		defer close(out)
+		defer close(errs)
+		defer close(out) // first: the monitor finds the error already sent
 		for env := range in {
 			if env.Event != nil {
 				env.Event = stampedAny{Any: env.Event, at: env.Timestamp}
@@ -525,6 +528,13 @@ func (s stampedSubscriber) Subscribe(ctx context.Context, filters ...string) (<-
 			case <-ctx.Done():
 				return
 			}
+		}
+		select {
+		case err := <-inErrs:
+			if err != nil {
+				errs <- err
+			}
+		case <-ctx.Done():
 		}
 	}()
 	return out, errs

@@ -403,6 +403,40 @@ func TestInformerRelistsAgainAfterAnOutageMidListing(t *testing.T) {
 	}, 10*time.Second, 10*time.Millisecond)
 }
 
+// A task whose TaskExit and TaskDelete the stream lost (2.4 under churn)
+// is stopped by its exit wait, stamped with the exit time, even when news
+// of another field (a label update) came after the exit and was applied
+// first.
+func TestInformerStopsATaskByItsExitWaitAfterNewerNews(t *testing.T) {
+	e := startInformer(t, func(ns fakecontainerd.Namespace) {
+		ns.CreateContainer(fakecontainerd.Container{ID: "c"})
+		ns.CreateTask("c", 10)
+		ns.StartTask("c")
+	})
+	hold := make(chan struct{})
+	release := sync.OnceFunc(func() { close(hold) })
+	defer release()
+	replied := make(chan struct{}, 16)
+	e.f.OnCall(fakecontainerd.TasksWait, func(int) { <-hold; replied <- struct{}{} }) // the wait's reply waits
+	e.tick()
+	e.ns.Quiet().ExitTask("c", 3) // TaskExit lost; TaskDelete will not come either
+	e.tick()
+	e.ns.UpdateContainer(fakecontainerd.Container{ID: "c", Labels: map[string]string{"tier": "x"}}) // published
+	e.eventually(t, "c", func(c containerd.Container, _ bool) bool { return c.Labels["tier"] == "x" })
+	release()
+	select {
+	case <-replied:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the exit wait never answered")
+	}
+	c := e.eventually(t, "c", func(c containerd.Container, _ bool) bool {
+		return c.Task != nil && c.Task.Status == containerd.TaskStopped
+	})
+	require.Equal(t, uint32(3), c.Task.ExitStatus)
+	e.settle(t)
+	require.Equal(t, map[string][]uint32{"c": {3}}, stopped(e.got.list()), describe(e.got.list()))
+}
+
 // A handler that fails is given the same change again, in order, while the
 // cache already shows the newest state.
 func TestInformerRetriesAFailedDelivery(t *testing.T) {
