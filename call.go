@@ -33,64 +33,19 @@ const (
 
 // call is one handler call; mu guards its state and slot.
 type call struct {
-	ctx      handlerContext
-	cancel   context.CancelCauseFunc // the scheduler ends ctx at its deadline, with the cause DeadlineExceeded
-	key      *key
-	it       item
-	start    time.Time
-	deadline time.Time // zero: none (WithHandleTimeout(0))
-	behind   int       // a retry's: events queued behind it, for its log line
-	state    callState
-	slot     slot
+	ctx    handlerContext
+	cancel context.CancelCauseFunc // the scheduler ends ctx at its deadline, with the cause DeadlineExceeded
+	key    *key
+	it     item
+	start  time.Time
+	behind int // a retry's: events queued behind it, for its log line
+	state  callState
+	slot   slot
 }
 
-// handlerContext is a handler's ctx: a standard library context, ended when
-// the call returns, at its deadline or at Stop, whose Deadline is on the
-// monitor's clock and whose values add the key.
-type handlerContext struct {
-	context.Context
-	key      string
-	deadline time.Time
-}
-
-// Deadline is the call's start on the monitor's clock plus the handle timeout.
-func (c *handlerContext) Deadline() (time.Time, bool) { return c.deadline, !c.deadline.IsZero() }
-
-// Err is DeadlineExceeded once the deadline ended the call. Contexts
-// derived from it end then too, Canceled with the cause DeadlineExceeded:
-// the monitor's clock, not a runtime timer, times the deadline.
-func (c *handlerContext) Err() error {
-	err := c.Context.Err()
-	if err != nil && context.Cause(c.Context) == context.DeadlineExceeded {
-		return context.DeadlineExceeded
-	}
-	return err
-}
-
-// Value gives KeyFromContext the key, and log.G(ctx) a logger with it.
-func (c *handlerContext) Value(k any) any {
-	if k == (keyContext{}) {
-		return c.key
-	}
-	v := c.Context.Value(k)
-	if l, ok := v.(*log.Entry); ok {
-		return l.WithField("key", c.key)
-	}
-	return v
-}
-
-type keyContext struct{}
-
-// KeyFromContext returns the key of the event whose handler call ctx is (or
-// derives from), and "" outside a handler call.
-func KeyFromContext(ctx context.Context) string {
-	name, _ := ctx.Value(keyContext{}).(string)
-	return name
-}
-
-// takeReady starts a call for the first ready key, if the monitor handles.
-// mu is held.
-func (m *Monitor) takeReady() *call {
+// takeReady starts a call for the first ready key, if the monitor handles,
+// in record c if one was made for it. mu is held.
+func (m *Monitor) takeReady(c *call) *call {
 	if m.state != running && m.state != draining {
 		return nil
 	}
@@ -98,22 +53,31 @@ func (m *Monitor) takeReady() *call {
 	if k == nil {
 		return nil
 	}
-	return m.startCall(k, it, ownSlot)
+	return m.startCall(k, it, ownSlot, c)
 }
 
-// startCall registers a call of it for k, just taken. mu is held.
-func (m *Monitor) startCall(k *key, it item, s slot) *call {
-	c := &call{key: k, it: it, slot: s, start: m.cfg.clock.Now()}
+// newCall makes a call's record and ctx. A worker makes its next one before
+// it takes mu: allocating under mu held the other workers up.
+func (m *Monitor) newCall() *call {
+	c := new(call)
+	c.ctx.Context, c.cancel = context.WithCancelCause(m.base)
+	return c
+}
+
+// startCall registers a call of it for k, just taken, in record c (a new
+// one if nil). mu is held.
+func (m *Monitor) startCall(k *key, it item, s slot, c *call) *call {
+	if c == nil {
+		c = m.newCall()
+	}
+	c.key, c.it, c.slot, c.ctx.key, c.start = k, it, s, k.name, m.cfg.clock.Now()
 	if it.failed != nil {
 		c.behind = len(k.events)
 	}
 	if d := m.cfg.handleTimeout; d > 0 {
-		c.deadline = c.start.Add(d)
-		m.wakeBy(c.deadline)
+		c.ctx.deadline = c.start.Add(d)
+		m.wakeBy(c.ctx.deadline)
 	}
-	var ctx context.Context
-	ctx, c.cancel = context.WithCancelCause(m.base)
-	c.ctx = handlerContext{Context: ctx, key: k.name, deadline: c.deadline}
 	m.calls = append(m.calls, c)
 	m.work.Add(1)
 	return c
@@ -182,8 +146,7 @@ type outcome struct {
 	delay   time.Duration // the backoff a failed event now waits
 	drop    error         // the monitor gave up on the event: ErrStopped or ErrMaxAttempts
 	overran bool
-	end     time.Time
-	ran     time.Duration
+	end     time.Time // zero for a success without Metrics
 }
 
 // finish settles call c, reports its outcome, and releases it, returning
@@ -193,9 +156,11 @@ func (m *Monitor) finish(c *call, err error) *call {
 	if !out.ignored {
 		out.err = err
 	}
-	c.cancel(context.Canceled) // what the handler started with ctx stops
-	out.end = m.cfg.clock.Now()
-	out.ran = out.end.Sub(c.start)
+	c.cancel(context.Canceled)              // what the handler started with ctx stops
+	if err != nil || m.cfg.metrics != nil { // a plain success goes untimed: clock reads are a tenth of the fast path
+		out.end = m.cfg.clock.Now()
+	}
+	record := m.newCall() // for the next call of the slot c may hold: that is known under mu
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if c.state == abandoned {
@@ -212,16 +177,16 @@ func (m *Monitor) finish(c *call, err error) *call {
 			m.keys.done(c.key)
 		}
 	}
-	return m.release(c)
+	return m.release(c, record)
 }
 
 // release removes settled call c and, if it held a worker slot, starts the
-// slot's next call, which it returns. mu is held.
-func (m *Monitor) release(c *call) (next *call) {
+// slot's next call, in record, and returns it. mu is held.
+func (m *Monitor) release(c, record *call) (next *call) {
 	m.calls = slices.DeleteFunc(m.calls, func(x *call) bool { return x == c })
 	switch c.slot {
 	case ownSlot:
-		if next = m.takeReady(); next == nil {
+		if next = m.takeReady(record); next == nil {
 			m.busy--
 		}
 	case gaveSlot:
@@ -266,14 +231,18 @@ func (m *Monitor) settle(c *call, out *outcome) {
 // report hands a settled call's outcome to the metrics, the log and the drop
 // handler. A failing key fails once per delay, so it cannot flood the log.
 func (m *Monitor) report(c *call, out outcome) {
+	if out.end.IsZero() { // it overran, then succeeded
+		out.end = m.cfg.clock.Now()
+	}
+	ran := out.end.Sub(c.start)
 	if mt := m.cfg.metrics; mt != nil {
-		mt.HandlerDone(out.ran, out.err)
+		mt.HandlerDone(ran, out.err)
 		if out.err == nil && !out.ignored && c.it.failed != nil {
 			mt.Recovered(out.end.Sub(c.it.failed.first))
 		}
 	}
 	if out.overran {
-		m.cfg.logger.WithFields(log.Fields{"key": c.key.name, "ran": out.ran}).Warn("event handler returned after its deadline")
+		m.cfg.logger.WithFields(log.Fields{"key": c.key.name, "ran": ran}).Warn("event handler returned after its deadline")
 	}
 	switch {
 	case out.drop != nil:

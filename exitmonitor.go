@@ -101,7 +101,7 @@ func (m *Monitor) queueExit(key string, s ExitStatus, build func(uint32, time.Ti
 		drops = m.refuse(key, it, err)
 	} else if k := m.keys.byName[key]; m.state == running {
 		if it, ok := m.keys.takeAlone(k); ok {
-			c = m.startCall(k, it, noSlot)
+			c = m.startCall(k, it, noSlot, nil)
 		}
 	}
 	m.changed()

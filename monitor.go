@@ -210,7 +210,7 @@ func (m *Monitor) changed() {
 		m.keys.retryDue(time.Time{}, true)
 	}
 	for m.busy < m.cfg.workers {
-		c := m.takeReady()
+		c := m.takeReady(nil)
 		if c == nil {
 			break
 		}

@@ -131,9 +131,9 @@ func (m *Monitor) nextWake() (at time.Time) {
 	}
 	for _, c := range m.calls {
 		switch {
-		case c.deadline.IsZero():
+		case c.ctx.deadline.IsZero():
 		case c.state == inTime:
-			earlier(c.deadline)
+			earlier(c.ctx.deadline)
 		case c.state == late:
 			earlier(m.overrunAt(c))
 		}
@@ -145,7 +145,7 @@ func (m *Monitor) nextWake() (at time.Time) {
 // spares a handler whose own equal timeout began a moment after ours, and
 // still finds a stuck call within a second.
 func (m *Monitor) overrunAt(c *call) time.Time {
-	return c.deadline.Add(min(time.Second, m.cfg.handleTimeout/10))
+	return c.ctx.deadline.Add(min(time.Second, m.cfg.handleTimeout/10))
 }
 
 // overrun is the log line of a call newly past its grace.
@@ -164,7 +164,7 @@ func (m *Monitor) expire(now time.Time) (lines []overrun) {
 	replaced := 0
 	var stuck []*call
 	for _, c := range m.calls {
-		if c.state == inTime && !c.deadline.IsZero() && !now.Before(c.deadline) {
+		if c.state == inTime && !c.ctx.deadline.IsZero() && !now.Before(c.ctx.deadline) {
 			c.state = late
 			c.cancel(context.DeadlineExceeded)
 		}
