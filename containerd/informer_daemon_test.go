@@ -584,18 +584,8 @@ func (e *churnEnv) liveErr(l *churnLife) error {
 			return err
 		}
 	}
-	var waited string
-	err := e.op(func(ctx context.Context) error {
-		resp, err := e.tasks.Wait(ctx, &tasksapi.WaitRequest{ContainerID: l.id})
-		switch {
-		case status.Code(err) == codes.NotFound:
-			waited = "gone"
-			return nil
-		case err != nil:
-			return err
-		}
-		waited = fmt.Sprint("exit ", resp.GetExitStatus())
-		return nil
+	waited, err := taskEnd(e.op, func(ctx context.Context) (*tasksapi.WaitResponse, error) {
+		return e.tasks.Wait(ctx, &tasksapi.WaitRequest{ContainerID: l.id})
 	})
 	if err != nil {
 		return fmt.Errorf("waiting for the task: %w", err)
@@ -609,21 +599,31 @@ func (e *churnEnv) liveErr(l *churnLife) error {
 	return e.remove(l, e.op)
 }
 
-// remove deletes l's task, then its container and snapshot, through call;
-// what is already gone is not an error.
-func (e *churnEnv) remove(l *churnLife, call func(func(context.Context) error) error) error {
-	var deleted string
+// taskEnd makes a Wait or Delete of a task through call: "exit N", or
+// "gone" if the daemon has no such task.
+func taskEnd[R interface{ GetExitStatus() uint32 }](call func(func(context.Context) error) error,
+	rpc func(context.Context) (R, error)) (string, error) {
+	var end string
 	err := call(func(ctx context.Context) error {
-		resp, err := e.tasks.Delete(ctx, &tasksapi.DeleteTaskRequest{ContainerID: l.id})
+		resp, err := rpc(ctx)
 		switch {
 		case status.Code(err) == codes.NotFound:
-			deleted = "gone"
+			end = "gone"
 			return nil
 		case err != nil:
 			return err
 		}
-		deleted = fmt.Sprint("exit ", resp.GetExitStatus())
+		end = fmt.Sprint("exit ", resp.GetExitStatus())
 		return nil
+	})
+	return end, err
+}
+
+// remove deletes l's task, then its container and snapshot, through call;
+// what is already gone is not an error.
+func (e *churnEnv) remove(l *churnLife, call func(func(context.Context) error) error) error {
+	deleted, err := taskEnd(call, func(ctx context.Context) (*tasksapi.DeleteResponse, error) {
+		return e.tasks.Delete(ctx, &tasksapi.DeleteTaskRequest{ContainerID: l.id})
 	})
 	if err != nil {
 		return fmt.Errorf("deleting the task: %w", err)
