@@ -162,6 +162,9 @@ func (s *keySet) pushBackoff(name string, it item, now time.Time) {
 	}
 }
 
+// anyReady tells whether a key is ready.
+func (s *keySet) anyReady() bool { return s.run.head != nil }
+
 // take makes the first ready key running and returns it with its head
 // event; nil if no key is ready.
 func (s *keySet) take() (*key, item) {

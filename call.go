@@ -38,7 +38,8 @@ type call struct {
 	key    *key
 	it     item
 	start  time.Time
-	behind int // a retry's: events queued behind it, for its log line
+	behind int  // a retry's: events queued behind it, for its log line
+	busy   bool // other keys were ready as it was taken: the next record is made before mu
 	state  callState
 	slot   slot
 }
@@ -53,11 +54,13 @@ func (m *Monitor) takeReady(c *call) *call {
 	if k == nil {
 		return nil
 	}
-	return m.startCall(k, it, ownSlot, c)
+	c = m.startCall(k, it, ownSlot, c)
+	c.busy = m.keys.anyReady()
+	return c
 }
 
-// newCall makes a call's record and ctx. A worker makes its next one before
-// it takes mu: allocating under mu held the other workers up.
+// newCall makes a call's record and ctx. A busy worker makes its next one
+// before it takes mu: allocating under mu held the other workers up.
 func (m *Monitor) newCall() *call {
 	c := new(call)
 	c.ctx.Context, c.cancel = context.WithCancelCause(m.base)
@@ -95,12 +98,8 @@ var errHandlerExited = errors.New("eventmonitor: handler ended its goroutine (ru
 // handle makes call c and returns its slot's next call. A handler that ends
 // its goroutine fails its call, and a new goroutine takes the slot on.
 func (m *Monitor) handle(c *call) *call {
-	if f := c.it.failed; f != nil {
-		entry := m.itemLog(c.key.name, c.it).WithFields(log.Fields{"attempt": f.attempts + 1, "events": c.behind + 1})
-		if f.last != nil { // an event given to Backoff has none
-			entry = entry.WithField("previous_error", f.last)
-		}
-		entry.Info("retrying backed-off events")
+	if c.it.failed != nil {
+		m.logRetry(c)
 	}
 	// Stop may have withdrawn the call since it was taken: before this
 	// goroutine ran, or during a retry's log line, which may be slow.
@@ -126,16 +125,32 @@ func (m *Monitor) handle(c *call) *call {
 	return m.finish(c, err)
 }
 
+// logRetry is a retry's log line. It and panicked are out of line: inline,
+// their frames grew the stack of every new worker.
+func (m *Monitor) logRetry(c *call) {
+	f := c.it.failed
+	entry := m.itemLog(c.key.name, c.it).WithFields(log.Fields{"attempt": f.attempts + 1, "events": c.behind + 1})
+	if f.last != nil { // an event given to Backoff has none
+		entry = entry.WithField("previous_error", f.last)
+	}
+	entry.Info("retrying backed-off events")
+}
+
 // invoke calls the handler; a panic becomes its error, logged with its stack.
 func (m *Monitor) invoke(c *call) (err error) {
 	defer func() {
 		if r := recover(); r != nil {
-			err = fmt.Errorf("eventmonitor: handler panicked: %v", r)
-			m.cfg.logger.WithFields(log.Fields{"key": c.key.name, "stack": string(debug.Stack())}).
-				WithError(err).Error("event handler panicked")
+			err = m.panicked(c, r)
 		}
 	}()
 	return m.handler.HandleEvent(&c.ctx, c.it.event)
+}
+
+func (m *Monitor) panicked(c *call, r any) error {
+	err := fmt.Errorf("eventmonitor: handler panicked: %v", r)
+	m.cfg.logger.WithFields(log.Fields{"key": c.key.name, "stack": string(debug.Stack())}).
+		WithError(err).Error("event handler panicked")
+	return err
 }
 
 // outcome is what settle leaves for report, which runs user code (the
@@ -158,7 +173,10 @@ func (m *Monitor) finish(c *call, err error) *call {
 	}
 	c.cancel(context.Canceled) // what the handler started with ctx stops
 	out.end = m.cfg.clock.Now()
-	record := m.newCall() // for the next call of the slot c may hold: that is known under mu
+	var record *call // for the next call of the slot c may hold
+	if c.busy {
+		record = m.newCall()
+	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if c.state == abandoned {
