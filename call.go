@@ -196,15 +196,23 @@ func (m *Monitor) finish(c *call, err error) *call {
 	return m.release(c, record)
 }
 
+// slotsHeld is how many of the WithWorkers slots calls hold. mu is held.
+func (m *Monitor) slotsHeld() (n int) {
+	for _, c := range m.calls {
+		if c.slot == ownSlot {
+			n++
+		}
+	}
+	return n
+}
+
 // release removes settled call c and, if it held a worker slot, starts the
 // slot's next call, in record, and returns it. mu is held.
 func (m *Monitor) release(c, record *call) (next *call) {
 	m.calls = slices.DeleteFunc(m.calls, func(x *call) bool { return x == c })
 	switch c.slot {
 	case ownSlot:
-		if next = m.takeReady(record); next == nil {
-			m.busy--
-		}
+		next = m.takeReady(record)
 	case gaveSlot:
 		m.poke() // a call that kept its worker for WithMaxOverruns may give it now
 	}

@@ -24,14 +24,11 @@ type Monitor struct {
 	state          lifecycle
 	keys           *keySet
 	calls          []*call // in progress, in start order
-	busy           int     // worker slots in use
 	handing        int     // refused events whose drop is being handed over
 	abandonedDrops []Drop  // Stop's drops of abandoned calls, for finishStop
 	stats          Stats   // the counters; Stats derives the gauges
 	sched          scheduler
-	reader         reader
-	subscribed     *subscription // by Subscribe, for Start
-	hadStream      bool          // a stream was read: Run's next subscription is a re-subscription
+	stream         streamState
 
 	intake    context.Context // ends when Shutdown or Stop is called
 	endIntake context.CancelFunc
@@ -209,12 +206,11 @@ func (m *Monitor) changed() {
 	if m.state == draining {
 		m.keys.retryDue(time.Time{}, true)
 	}
-	for m.busy < m.cfg.workers {
+	for free := m.cfg.workers - m.slotsHeld(); free > 0; free-- {
 		c := m.takeReady(nil)
 		if c == nil {
 			break
 		}
-		m.busy++
 		go m.serve(c)
 	}
 	m.retime()

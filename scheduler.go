@@ -179,7 +179,6 @@ func (m *Monitor) expire(now time.Time) (lines []overrun) {
 	for _, c := range m.calls {
 		if c.state == overran && c.slot == ownSlot && replaced < m.cfg.maxOverruns && m.state != stopped {
 			c.slot = gaveSlot
-			m.busy--
 			replaced++
 		}
 	}

@@ -73,8 +73,9 @@ func (m *Monitor) Pending() []Pending {
 
 // WaitIdle waits until the monitor has done all it can for now: no call in
 // progress or being reported, no key waiting for a worker, and the
-// scheduler's timer set for the next retry. It returns ctx's error if ctx ends first. It is the sync
-// point of fake-clock tests (see package eventmonitortest).
+// scheduler's timer set for the next retry. It returns ctx's error if ctx
+// ends first. It is the sync point of fake-clock tests (see package
+// eventmonitortest).
 func (m *Monitor) WaitIdle(ctx context.Context) error {
 	ctx, done := m.waitingOn(ctx)
 	defer done()
@@ -84,7 +85,7 @@ func (m *Monitor) WaitIdle(ctx context.Context) error {
 		s := &m.sched
 		overdue := !s.armed.IsZero() && !s.armed.After(m.cfg.clock.Now()) // its timer fired: a pass is coming
 		switch {
-		case len(m.calls) == 0 && m.handing == 0 && (m.state == held || m.keys.run.head == nil) && !s.poked && !overdue:
+		case len(m.calls) == 0 && m.handing == 0 && (m.state == held || !m.keys.anyReady()) && !s.poked && !overdue:
 			return nil
 		case ctx.Err() != nil:
 			return ctx.Err()

@@ -57,9 +57,6 @@ func (m *Monitor) abandon(all bool) (drops []Drop) {
 		m.stats.Dropped++
 		drops = append(drops, dropsOf(c.key.name, fmt.Errorf("%w: handler %s, abandoned", ErrStopped, why), c.it)...)
 		m.keys.done(c.key)
-		if c.slot == ownSlot {
-			m.busy--
-		}
 		m.work.Done()
 	}
 	if drops != nil {
@@ -118,7 +115,7 @@ func (m *Monitor) Shutdown(ctx context.Context) error {
 // is done, and no call is left but overran ones, which hold the key (and
 // maybe the slot) of every event still queued. mu is held.
 func (m *Monitor) drained() bool {
-	return m.reader != consuming && !slices.ContainsFunc(m.calls, func(c *call) bool { return c.state != overran })
+	return m.stream.reader != consuming && !slices.ContainsFunc(m.calls, func(c *call) bool { return c.state != overran })
 }
 
 // waitingOn wraps ctx for a wait on cond: its Err is the standard

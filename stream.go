@@ -43,6 +43,14 @@ const (
 	consuming        // reading a subscription: Shutdown waits for it to see intake end
 )
 
+// streamState is the stream reader's place, and what Subscribe opened for
+// Start. Monitor.mu guards it.
+type streamState struct {
+	reader      reader
+	subscribed  *subscription // by Subscribe, for Start
+	established bool          // a stream was: the next one Run establishes is a re-subscription
+}
+
 // subscription is one stream opened on a Subscriber.
 type subscription struct {
 	ch     <-chan *Envelope
@@ -59,8 +67,8 @@ func (m *Monitor) Subscribe(s Subscriber, filters ...string) {
 	ctx, cancel := context.WithCancel(m.intake)
 	ch, errs := s.Subscribe(ctx, filters...)
 	m.mu.Lock()
-	previous := m.subscribed
-	m.subscribed = &subscription{ch: ch, errs: errs, cancel: cancel}
+	previous := m.stream.subscribed
+	m.stream.subscribed = &subscription{ch: ch, errs: errs, cancel: cancel}
 	m.mu.Unlock()
 	if previous != nil {
 		previous.cancel()
@@ -73,8 +81,8 @@ func (m *Monitor) Subscribe(s Subscriber, filters ...string) {
 // done. Either way Start ends WithDeferredStart's hold.
 func (m *Monitor) Start() <-chan error {
 	m.mu.Lock()
-	sub := m.subscribed
-	m.subscribed = nil
+	sub := m.stream.subscribed
+	m.stream.subscribed = nil
 	if sub == nil {
 		m.releaseHold()
 		m.mu.Unlock()
@@ -82,7 +90,7 @@ func (m *Monitor) Start() <-chan error {
 	}
 	err := m.beginReading(consuming)
 	if err == nil {
-		m.hadStream = true
+		m.stream.established = true
 	}
 	m.mu.Unlock()
 	errCh := make(chan error, 1)
@@ -116,10 +124,10 @@ func (m *Monitor) beginReading(r reader) error {
 		return ErrStopped
 	case m.cfg.converter == nil:
 		return fmt.Errorf("%w: reading a stream needs WithConverter", ErrInvalidOption)
-	case m.reader != noReader:
+	case m.stream.reader != noReader:
 		return ErrAlreadyRunning
 	}
-	m.reader = r
+	m.stream.reader = r
 	m.work.Add(1)
 	m.releaseHold()
 	return nil
@@ -184,7 +192,7 @@ func (m *Monitor) runOnce(ctx context.Context, s Subscriber, filters []string) (
 	m.mu.Lock()
 	open := !m.intakeEnded()
 	if open {
-		m.reader = consuming // from the subscription on: Shutdown waits for what it delivers
+		m.stream.reader = consuming // from the subscription on: Shutdown waits for what it delivers
 	}
 	m.mu.Unlock()
 	if !open {
@@ -237,10 +245,10 @@ func (m *Monitor) established(ctx context.Context, first <-chan struct{}) bool {
 func (m *Monitor) counted() {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if m.hadStream {
+	if m.stream.established {
 		m.stats.Resubscribed++
 	}
-	m.hadStream = true
+	m.stream.established = true
 }
 
 // consume reads sub until it breaks or ctx ends, then takes what sub had
@@ -297,7 +305,7 @@ func (m *Monitor) drain(ctx context.Context, ch <-chan *Envelope) (took bool) {
 
 func (m *Monitor) setReader(r reader) {
 	m.mu.Lock()
-	m.reader = r
+	m.stream.reader = r
 	m.changed()
 	m.mu.Unlock()
 }
