@@ -41,8 +41,12 @@ func (it item) attempts() int {
 	return it.failed.attempts
 }
 
-// origin is where an envelope's event came from, for its drop and log lines.
-type origin struct{ topic, namespace string }
+// origin is the envelope an event came in: its topic and namespace for drop
+// and log lines, its timestamp for the handler's ctx.
+type origin struct {
+	topic, namespace string
+	at               time.Time
+}
 
 func (it item) from() (topic, namespace string) {
 	if it.origin == nil {

@@ -73,7 +73,8 @@ func (m *Monitor) startCall(k *key, it item, s slot, c *call) *call {
 	if c == nil {
 		c = m.newCall()
 	}
-	c.key, c.it, c.slot, c.ctx.key, c.start = k, it, s, k.name, m.cfg.clock.Now()
+	c.key, c.it, c.slot, c.start = k, it, s, m.cfg.clock.Now()
+	c.ctx.key, c.ctx.origin = k.name, it.origin
 	if it.failed != nil {
 		c.behind = len(k.events)
 	}

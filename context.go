@@ -9,10 +9,11 @@ import (
 
 // handlerContext is a handler's ctx: a standard library context, ended when
 // the call returns, at its deadline or at Stop, whose Deadline is on the
-// monitor's clock and whose values add the key.
+// monitor's clock and whose values add the key and the envelope's time.
 type handlerContext struct {
 	context.Context
 	key      string
+	origin   *origin // nil for an event that came in no envelope
 	deadline time.Time
 }
 
@@ -30,10 +31,17 @@ func (c *handlerContext) Err() error {
 	return err
 }
 
-// Value gives KeyFromContext the key, and log.G(ctx) a logger with it.
+// Value gives KeyFromContext the key, TimestampFromContext the envelope's
+// time, and log.G(ctx) a logger with the key.
 func (c *handlerContext) Value(k any) any {
-	if k == (keyContext{}) {
+	switch k {
+	case keyContext{}:
 		return c.key
+	case timestampContext{}:
+		if c.origin == nil {
+			return nil
+		}
+		return c.origin.at
 	}
 	v := c.Context.Value(k)
 	if l, ok := v.(*log.Entry); ok {
@@ -42,11 +50,23 @@ func (c *handlerContext) Value(k any) any {
 	return v
 }
 
-type keyContext struct{}
+type (
+	keyContext       struct{}
+	timestampContext struct{}
+)
 
 // KeyFromContext returns the key of the event whose handler call ctx is (or
 // derives from), and "" outside a handler call.
 func KeyFromContext(ctx context.Context) string {
 	name, _ := ctx.Value(keyContext{}).(string)
 	return name
+}
+
+// TimestampFromContext returns the Timestamp of the envelope whose event the
+// handler call ctx is making, and false for an event given to Submit,
+// Backoff or WatchExit, or outside a handler call. It orders a stream's news
+// against a listing taken at a known time.
+func TimestampFromContext(ctx context.Context) (time.Time, bool) {
+	at, ok := ctx.Value(timestampContext{}).(time.Time)
+	return at, ok
 }

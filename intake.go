@@ -20,7 +20,7 @@ func (m *Monitor) ingest(ctx context.Context, env *Envelope) {
 	ignored := errors.Is(err, ErrUnsupportedEvent)
 	it := item{event: event}
 	if env != nil {
-		it.origin = &origin{env.Topic, env.Namespace}
+		it.origin = &origin{env.Topic, env.Namespace, env.Timestamp}
 	}
 	m.mu.Lock()
 	var drops []Drop

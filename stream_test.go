@@ -682,3 +682,37 @@ func TestASubscriptionThatDeliveredIsEstablished(t *testing.T) {
 	require.Equal(t, uint64(1), h.m.Stats().Resubscribed)
 	waitFor(t, "all handled", func() bool { return len(h.rec.handled()) == 3 })
 }
+
+// A handler call's ctx carries the Timestamp of the envelope its event came
+// in, on a retry too; an event given to Submit has none.
+func TestHandlersSeeTheirEnvelopesTimestamp(t *testing.T) {
+	seen := make(chan [2]any, 8) // the event, and its ctx's timestamp (nil: none)
+	var h *harness
+	h = newHarness(t, eventmonitor.HandlerFunc(func(ctx context.Context, e any) error {
+		var stamp any
+		if at, ok := eventmonitor.TimestampFromContext(ctx); ok {
+			stamp = at
+		}
+		seen <- [2]any{e, stamp}
+		return h.rec.HandleEvent(ctx, e)
+	}), eventmonitor.WithConverter(streamConverter), eventmonitor.WithHandleTimeout(0))
+	sub := newFakeSubscriber(4)
+	runMonitor(t, h.m, sub)
+	st := sub.next(t)
+	h.rec.fail(ev{"a", 1}, 1)
+	published := epoch.Add(-time.Minute)
+	env := streamEnvelope(t, ev{"a", 1})
+	env.Timestamp = published
+	st.ch <- env
+	waitFor(t, "the envelope received", func() bool { return h.m.Stats().Received == 1 })
+	h.step(t, time.Minute) // the retry
+	h.submit(t, ev{"b", 1})
+	h.settle(t)
+
+	want := [][2]any{{ev{"a", 1}, published}, {ev{"a", 1}, published}, {ev{"b", 1}, nil}}
+	for _, w := range want {
+		require.Equal(t, w, streamRecv(t, seen))
+	}
+	_, ok := eventmonitor.TimestampFromContext(context.Background())
+	require.False(t, ok, "outside a handler call")
+}

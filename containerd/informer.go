@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/containerd/log"
-	"github.com/containerd/typeurl/v2"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/metadata"
 	"k8s.io/utils/clock"
@@ -166,7 +165,7 @@ func newInformer[T any](conn grpc.ClientConnInterface, namespace string, k kind[
 	}
 	inf.intake = eventmonitor.MustNew(eventmonitor.HandlerFunc(inf.apply),
 		eventmonitor.WithNamespace(namespace),
-		eventmonitor.WithConverter(stampedConverter{eventmonitor.NewConverter(k.keys()...)}),
+		eventmonitor.WithConverter(eventmonitor.NewConverter(k.keys()...)),
 		eventmonitor.WithWorkers(4),
 		eventmonitor.WithBackoff(100*time.Millisecond, time.Second),              // a read failed: the daemon is back soon
 		eventmonitor.WithHandleTimeout(0),                                        // apply bounds its reads by the real time
@@ -212,7 +211,7 @@ func (inf *Informer[T]) Run(ctx context.Context) error {
 	if r, ok := inf.kind.(runner[T]); ok {
 		kindDone = r.run(ctx, inf.intake.Submit)
 	}
-	err = inf.intake.Run(ctx, stampedSubscriber{NewSubscriber(inf.conn)}, filters...)
+	err = inf.intake.Run(ctx, NewSubscriber(inf.conn), filters...)
 	cancel()
 	periodic.Wait()
 	inf.intake.Stop()
@@ -412,8 +411,9 @@ func (inf *Informer[T]) apply(ctx context.Context, input any) error {
 		inf.observe(id, observation[T]{obj: obj, at: at})
 		return nil
 	}
-	event, at := input, inf.cfg.clock.Now() // news of the kind's own, such as an exit wait's
-	if in, ok := input.(stamped); ok {
+	event := input
+	at, _ := eventmonitor.TimestampFromContext(ctx) // an event of the stream
+	if in, ok := input.(stamped); ok {              // news of the kind's own, such as an exit wait's
 		event, at = in.event, in.at
 	}
 	cur, version := inf.lookup(id)
@@ -495,62 +495,8 @@ func (inf *Informer[T]) commit(id string, states []*T, at time.Time, listed bool
 	return changes
 }
 
-// stamped is an event with its envelope's timestamp.
+// stamped is news of a kind's own with the time it began.
 type stamped struct {
 	event any
 	at    time.Time
-}
-
-// stampedAny carries an envelope's timestamp with its payload to
-// stampedConverter, as a Converter sees only the payload.
-type stampedAny struct {
-	typeurl.Any
-	at time.Time
-}
-
-// stampedSubscriber stamps each envelope's payload with its timestamp.
-type stampedSubscriber struct{ eventmonitor.Subscriber }
-
-// Its error follows the envelopes copied before it: NewSubscriber closes
-// in only after sending its error, so the copy passes the error on last.
-func (s stampedSubscriber) Subscribe(ctx context.Context, filters ...string) (<-chan *eventmonitor.Envelope, <-chan error) {
-	in, inErrs := s.Subscriber.Subscribe(ctx, filters...)
-	out, errs := make(chan *eventmonitor.Envelope, cap(in)), make(chan error, 1)
-	go func() {
-		defer close(errs)
-		defer close(out) // first: the monitor finds the error already sent
-		for env := range in {
-			if env.Event != nil {
-				env.Event = stampedAny{Any: env.Event, at: env.Timestamp}
-			}
-			select {
-			case out <- env:
-			case <-ctx.Done():
-				return
-			}
-		}
-		select {
-		case err := <-inErrs:
-			if err != nil {
-				errs <- err
-			}
-		case <-ctx.Done():
-		}
-	}()
-	return out, errs
-}
-
-// stampedConverter converts a stamped payload into a stamped event.
-type stampedConverter struct{ eventmonitor.Converter }
-
-func (c stampedConverter) Convert(payload typeurl.Any) (string, any, error) {
-	p, ok := payload.(stampedAny)
-	if !ok {
-		return "", nil, fmt.Errorf("%w: payload without a timestamp", eventmonitor.ErrInvalidEvent)
-	}
-	key, event, err := c.Converter.Convert(p.Any)
-	if err != nil {
-		return "", nil, err
-	}
-	return key, stamped{event: event, at: p.at}, nil
 }
