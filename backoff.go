@@ -22,7 +22,7 @@ const (
 // behind pointers, as queues hold many.
 type item struct {
 	event  any
-	origin *origin  // the envelope's topic and namespace; nil for Submit, Backoff and exits
+	origin *origin  // the envelope it came in; nil for Submit, Backoff and exits
 	failed *failure // nil until the event fails, or is given to Backoff
 }
 

@@ -63,9 +63,9 @@ func KeyFromContext(ctx context.Context) string {
 }
 
 // TimestampFromContext returns the Timestamp of the envelope whose event the
-// handler call ctx is making, and false for an event given to Submit,
-// Backoff or WatchExit, or outside a handler call. It orders a stream's news
-// against a listing taken at a known time.
+// handler call ctx is (or derives from) making, for ordering a stream's news
+// against a listing taken at a known time. It returns false for an event
+// given to Submit, Backoff or WatchExit, and outside a handler call.
 func TimestampFromContext(ctx context.Context) (time.Time, bool) {
 	at, ok := ctx.Value(timestampContext{}).(time.Time)
 	return at, ok

@@ -206,7 +206,7 @@ func (m *Monitor) changed() {
 	if m.state == draining {
 		m.keys.retryDue(time.Time{}, true)
 	}
-	for free := m.cfg.workers - m.slotsHeld(); free > 0; free-- {
+	for m.keys.anyReady() && m.slotsHeld() < m.cfg.workers {
 		c := m.takeReady(nil)
 		if c == nil {
 			break

@@ -14,7 +14,7 @@ import (
 // Envelope is one event as a subscriber delivers it (the fields of
 // containerd's events.Envelope).
 type Envelope struct {
-	Timestamp time.Time
+	Timestamp time.Time // when it was published; the handler's ctx carries it (TimestampFromContext)
 	Namespace string
 	Topic     string
 	Event     typeurl.Any
@@ -46,9 +46,9 @@ const (
 // streamState is the stream reader's place, and what Subscribe opened for
 // Start. Monitor.mu guards it.
 type streamState struct {
-	reader      reader
-	subscribed  *subscription // by Subscribe, for Start
-	established bool          // a stream was: the next one Run establishes is a re-subscription
+	reader     reader
+	subscribed *subscription // by Subscribe, for Start
+	hadOne     bool          // a stream was read or established: Run's next is a re-subscription
 }
 
 // subscription is one stream opened on a Subscriber.
@@ -90,7 +90,7 @@ func (m *Monitor) Start() <-chan error {
 	}
 	err := m.beginReading(consuming)
 	if err == nil {
-		m.stream.established = true
+		m.stream.hadOne = true
 	}
 	m.mu.Unlock()
 	errCh := make(chan error, 1)
@@ -245,10 +245,10 @@ func (m *Monitor) established(ctx context.Context, first <-chan struct{}) bool {
 func (m *Monitor) counted() {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if m.stream.established {
+	if m.stream.hadOne {
 		m.stats.Resubscribed++
 	}
-	m.stream.established = true
+	m.stream.hadOne = true
 }
 
 // consume reads sub until it breaks or ctx ends, then takes what sub had

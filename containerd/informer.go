@@ -412,9 +412,12 @@ func (inf *Informer[T]) apply(ctx context.Context, input any) error {
 		return nil
 	}
 	event := input
-	at, _ := eventmonitor.TimestampFromContext(ctx) // an event of the stream
-	if in, ok := input.(stamped); ok {              // news of the kind's own, such as an exit wait's
+	at, fromStream := eventmonitor.TimestampFromContext(ctx)
+	switch in, own := input.(stamped); {
+	case own: // news of the kind's own, such as an exit wait's
 		event, at = in.event, in.at
+	case !fromStream:
+		at = inf.cfg.clock.Now()
 	}
 	cur, version := inf.lookup(id)
 	if at.Before(version) && !inf.kind.additive(event) {
