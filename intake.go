@@ -5,9 +5,20 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"time"
 
 	"github.com/containerd/log"
+	"github.com/containerd/typeurl/v2"
 )
+
+// Envelope is one event as a subscriber delivers it (the fields of
+// containerd's events.Envelope).
+type Envelope struct {
+	Timestamp time.Time // when it was published; the handler's ctx carries it (TimestampFromContext)
+	Namespace string
+	Topic     string
+	Event     typeurl.Any
+}
 
 // errFiltered marks an envelope of another namespace: counted, not accepted.
 var errFiltered = errors.New("eventmonitor: envelope of another namespace")

@@ -6,19 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
-	"time"
-
-	"github.com/containerd/typeurl/v2"
 )
-
-// Envelope is one event as a subscriber delivers it (the fields of
-// containerd's events.Envelope).
-type Envelope struct {
-	Timestamp time.Time // when it was published; the handler's ctx carries it (TimestampFromContext)
-	Namespace string
-	Topic     string
-	Event     typeurl.Any
-}
 
 // Subscriber is a source of envelopes, such as containerd's events service.
 // The stream ends when ctx ends; a broken stream sends one error on errs.
